@@ -1,0 +1,248 @@
+/*
+ * flare.h — the stable C ABI of flare, exact attention without the n×n matrix.
+ *
+ * This header owns the contract between flare and every caller (the C++ API in flare.hpp, the Python
+ * package, other languages): status codes, tensor views, one params struct per pass, entry points and the
+ * thread-local error text. Semantics follow FlashAttention; docs/semantics.md states them in full.
+ *
+ * Conventions
+ *  - Every entry point returns a flare_status. On anything but FLARE_OK, flare_last_error() names the
+ *    argument, the value and the rule, and no output (nor, for the KV-cache pass, the cache) was written.
+ *  - Nothing crosses this boundary as an exception; the library never prints, exits or synchronises a device
+ *    on the success path.
+ *  - A params struct is made with its *_params_init() function, which sets struct_size and every default;
+ *    then the caller fills in what it needs. struct_size lets later versions append fields safely.
+ *  - An optional tensor is "absent" when its rank is 0 (a zero-initialised flare_tensor is absent).
+ *  - Strides are in elements, not bytes. The last dimension of every tensor must be contiguous (stride 1);
+ *    any other strides are allowed.
+ */
+#ifndef FLARE_FLARE_H
+#define FLARE_FLARE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#  if defined(FLARE_BUILDING_SHARED)
+#    define FLARE_API __declspec(dllexport)
+#  elif defined(FLARE_SHARED)
+#    define FLARE_API __declspec(dllimport)
+#  else
+#    define FLARE_API
+#  endif
+#else
+#  define FLARE_API __attribute__((visibility("default")))
+#endif
+
+#define FLARE_VERSION_MAJOR 0
+#define FLARE_VERSION_MINOR 1
+#define FLARE_VERSION_PATCH 0
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Status codes and errors                                                                            */
+/* ------------------------------------------------------------------------------------------------ */
+
+typedef enum flare_status {
+  FLARE_OK = 0,
+  FLARE_INVALID_ARGUMENT = 1, /* a shape, dtype, device, stride, value or index breaks a rule */
+  FLARE_UNSUPPORTED = 2,      /* valid input this build or device cannot run (e.g. no CUDA backend) */
+  FLARE_OUT_OF_MEMORY = 3,    /* scratch memory could not be allocated, or the workspace is too small */
+  FLARE_CUDA_ERROR = 4,       /* the CUDA runtime reported an error */
+  FLARE_INTERNAL_ERROR = 5    /* a bug in flare; the message says where */
+} flare_status;
+
+/* The message of the last failed call on this thread ("" if none). Valid until the next flare call on
+ * this thread. */
+FLARE_API const char* flare_last_error(void);
+
+/* A short constant name for a status ("FLARE_INVALID_ARGUMENT"). */
+FLARE_API const char* flare_status_string(flare_status status);
+
+/* The library version as "major.minor.patch". */
+FLARE_API const char* flare_version(void);
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Tensor views                                                                                       */
+/* ------------------------------------------------------------------------------------------------ */
+
+typedef enum flare_dtype {
+  FLARE_DTYPE_F32 = 0,
+  FLARE_DTYPE_F16 = 1,
+  FLARE_DTYPE_BF16 = 2,
+  FLARE_DTYPE_F64 = 3,   /* CPU only: computed in fp64 (for gradient checks) */
+  FLARE_DTYPE_I32 = 4,   /* index tensors: cu_seqlens, seqused_k, block_table, cache_seqlens, ... */
+  FLARE_DTYPE_E4M3 = 5   /* FP8 inputs (forward on sm90); not accepted by the CPU backend */
+} flare_dtype;
+
+typedef enum flare_device_type {
+  FLARE_DEVICE_CPU = 0,
+  FLARE_DEVICE_CUDA = 1
+} flare_device_type;
+
+typedef struct flare_device {
+  int32_t type;  /* flare_device_type */
+  int32_t index; /* CUDA ordinal; 0 for the CPU */
+} flare_device;
+
+#define FLARE_MAX_RANK 4
+
+/* A non-owning view of a strided tensor. rank 0 means "absent" (for optional arguments). */
+typedef struct flare_tensor {
+  void* data;
+  int32_t dtype; /* flare_dtype */
+  flare_device device;
+  int32_t rank;
+  int64_t shape[FLARE_MAX_RANK];
+  int64_t strides[FLARE_MAX_RANK]; /* in elements */
+} flare_tensor;
+
+/* A contiguous (row-major) view: strides are derived from shape. rank must be 1..FLARE_MAX_RANK. */
+FLARE_API flare_tensor flare_tensor_contiguous(void* data, flare_dtype dtype, flare_device device,
+                                               int32_t rank, const int64_t* shape);
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Options shared by every pass                                                                       */
+/* ------------------------------------------------------------------------------------------------ */
+
+/* How scores are formed and masked. Query i of a sequence sees key j when
+ *   causal:  j <= i + seqlen_k - seqlen_q                       (bottom-right alignment)
+ *   window:  i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right
+ * where a window side of -1 is unbounded. causal equals window_right = 0 with its window_left.
+ * score = softmax_scale * q·k; if softcap > 0: score = softcap * tanh(score / softcap);
+ * with ALiBi: score += -slope[h] * |i + seqlen_k - seqlen_q - j|. */
+typedef struct flare_attn_options {
+  float softmax_scale;  /* 0 means 1/sqrt(headdim); otherwise finite and > 0 */
+  float softcap;        /* 0 means off; otherwise finite and > 0 */
+  int32_t causal;       /* 0 or 1 */
+  int32_t window_left;  /* -1 or >= 0 */
+  int32_t window_right; /* -1 or >= 0 */
+  /* optional fp32 slopes, shape (nheads) or (batch, nheads), applied as above */
+  flare_tensor alibi_slopes;
+} flare_attn_options;
+
+/* How the work runs. */
+typedef struct flare_exec_options {
+  void* stream;           /* CUDA: a cudaStream_t (NULL = the default stream). CPU: ignored. */
+  int32_t num_threads;    /* CPU: worker threads; 0 = OpenMP's default */
+  void* workspace;        /* optional scratch; NULL = flare allocates (see *_workspace_size) */
+  size_t workspace_size;  /* bytes available at workspace */
+} flare_exec_options;
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Forward                                                                                            */
+/* ------------------------------------------------------------------------------------------------ */
+
+/* Dense layout:  q (batch, seqlen_q, nheads, headdim), k (batch, seqlen_k, nheads_k, headdim),
+ *                v (batch, seqlen_k, nheads_k, headdim_v), out (batch, seqlen_q, nheads, headdim_v),
+ *                softmax_lse fp32 (batch, nheads, seqlen_q), optional.
+ * Varlen layout: q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim[_v]), out (total_q, ...),
+ *                cu_seqlens_q/k int32 (batch + 1), nondecreasing from 0, ending at total_q / total_k;
+ *                optional seqused_k int32 (batch): only the first seqused_k[b] keys of sequence b are used;
+ *                softmax_lse fp32 (nheads, total_q), optional.
+ * q, k, v and out share one dtype (fp32, fp16, bf16; fp64 on the CPU) and one device. */
+typedef struct flare_fwd_params {
+  size_t struct_size;
+  flare_tensor q, k, v;
+  flare_tensor out;          /* written */
+  flare_tensor softmax_lse;  /* written if present */
+  /* varlen only (flare_fwd_varlen); must be absent for flare_fwd */
+  flare_tensor cu_seqlens_q, cu_seqlens_k, seqused_k;
+  int32_t max_seqlen_q, max_seqlen_k; /* upper bounds of the sequence lengths; 0 = derive them */
+  flare_attn_options attn;
+  flare_exec_options exec;
+} flare_fwd_params;
+
+FLARE_API void flare_fwd_params_init(flare_fwd_params* params);
+FLARE_API flare_status flare_fwd(const flare_fwd_params* params);
+FLARE_API flare_status flare_fwd_varlen(const flare_fwd_params* params);
+/* Bytes of scratch flare_fwd / flare_fwd_varlen would allocate for these params (validates them). */
+FLARE_API flare_status flare_fwd_workspace_size(const flare_fwd_params* params, int32_t varlen,
+                                                size_t* bytes);
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Backward                                                                                           */
+/* ------------------------------------------------------------------------------------------------ */
+
+/* Inputs q, k, v, out, dout (like out) and softmax_lse from the forward with the same options;
+ * outputs dq (like q), dk (like k), dv (like v); dk/dv are summed over the query heads of a group.
+ * Varlen as in the forward. */
+typedef struct flare_bwd_params {
+  size_t struct_size;
+  flare_tensor q, k, v, out, dout, softmax_lse;
+  flare_tensor dq, dk, dv; /* written */
+  flare_tensor cu_seqlens_q, cu_seqlens_k, seqused_k;
+  int32_t max_seqlen_q, max_seqlen_k;
+  int32_t deterministic; /* 1: bitwise-identical results across runs (the CPU always is for a fixed
+                            num_threads) */
+  flare_attn_options attn;
+  flare_exec_options exec;
+} flare_bwd_params;
+
+FLARE_API void flare_bwd_params_init(flare_bwd_params* params);
+FLARE_API flare_status flare_bwd(const flare_bwd_params* params);
+FLARE_API flare_status flare_bwd_varlen(const flare_bwd_params* params);
+FLARE_API flare_status flare_bwd_workspace_size(const flare_bwd_params* params, int32_t varlen,
+                                                size_t* bytes);
+
+/* ------------------------------------------------------------------------------------------------ */
+/* KV-cache attention (inference)                                                                     */
+/* ------------------------------------------------------------------------------------------------ */
+
+/* q (batch, seqlen_q, nheads, headdim).
+ * Cache, dense: k_cache (batch_cache, seqlen_cache, nheads_k, headdim), v_cache (..., headdim_v).
+ * Cache, paged: k_cache (num_blocks, block_size, nheads_k, headdim), block_table int32 (batch, max_blocks):
+ *               key position j of sequence b lives in block block_table[b][j / block_size], row j % block_size.
+ * cache_seqlens int32 (batch), optional: keys already in the cache per sequence (absent = seqlen_cache,
+ *               or max_blocks * block_size when paged).
+ * cache_batch_idx int32 (batch), optional (dense only): sequence b uses cache row cache_batch_idx[b].
+ * cache_leftpad int32 (batch), optional: sequence b's keys start at position cache_leftpad[b]; positions
+ *               (rotary, masks) count from there.
+ * k_new/v_new (batch, seqlen_new, nheads_k, headdim[_v]), optional together: written into the cache in place
+ *               at positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 (rotated first if rotary is
+ *               given), then attended to. The cache must have room.
+ * rotary_cos/rotary_sin (seqlen_ro, rotary_dim / 2), optional together, same dtype as q; rotary_dim even and
+ *               <= headdim. k_new at key position p is rotated by row p. q is rotated by row p + i for query i
+ *               when causal or windowed (p = first new key position), else all queries by row p.
+ *               rotary_interleaved: rotate pairs (0,1),(2,3)... instead of halves (i, i + rotary_dim/2).
+ * After the append, sequence b attends to keys [cache_leftpad[b], cache_seqlens[b] + seqlen_new) with the
+ * options in attn (causal aligned bottom-right to that range). */
+typedef struct flare_kvcache_params {
+  size_t struct_size;
+  flare_tensor q;
+  flare_tensor k_cache, v_cache;   /* read, and written when k_new/v_new are given */
+  flare_tensor k_new, v_new;
+  flare_tensor cache_seqlens, cache_batch_idx, cache_leftpad, block_table;
+  flare_tensor rotary_cos, rotary_sin;
+  int32_t rotary_interleaved;
+  int32_t num_splits;              /* split-KV hint for GPU decoding; 0 = heuristic; the CPU ignores it */
+  flare_tensor out;                /* written, (batch, seqlen_q, nheads, headdim_v) */
+  flare_tensor softmax_lse;        /* written if present, fp32 (batch, nheads, seqlen_q) */
+  flare_attn_options attn;
+  flare_exec_options exec;
+} flare_kvcache_params;
+
+FLARE_API void flare_kvcache_params_init(flare_kvcache_params* params);
+FLARE_API flare_status flare_fwd_kvcache(const flare_kvcache_params* params);
+FLARE_API flare_status flare_kvcache_workspace_size(const flare_kvcache_params* params, size_t* bytes);
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Introspection                                                                                      */
+/* ------------------------------------------------------------------------------------------------ */
+
+/* The SIMD level the CPU backend runs with on this machine: "avx512", "avx2" or "generic".
+ * The environment variable FLARE_CPU_ISA (avx512 | avx2 | generic) lowers it; it never raises it past
+ * what the processor supports. */
+FLARE_API const char* flare_cpu_isa(void);
+
+/* 1 if this build has a CUDA backend, else 0. */
+FLARE_API int32_t flare_has_cuda(void);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* FLARE_FLARE_H */

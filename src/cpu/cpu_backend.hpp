@@ -1,0 +1,24 @@
+// cpu_backend.hpp — the CPU backend's entry points, called by src/api after validation.
+//
+// Each takes a validated Problem (src/api/problem.hpp) and returns FLARE_OK, or FLARE_OUT_OF_MEMORY
+// (with flare_last_error set) when scratch cannot be had. Outputs are written only after scratch is secured.
+#pragma once
+
+#include <cstddef>
+
+#include "api/problem.hpp"
+
+namespace flare::cpu {
+
+flare_status forward(const detail::Problem& p);
+flare_status backward(const detail::Problem& p);
+// Appends k_new/v_new (rotated if asked) into the cache, then attends q (rotated if asked) to it.
+flare_status kvcache(const detail::Problem& p);
+
+// Scratch bytes the pass allocates for this problem (what *_workspace_size reports).
+size_t workspace_size(const detail::Problem& p);
+
+// "avx512", "avx2" or "generic": the SIMD level in use (see flare_cpu_isa in flare.h).
+const char* isa_name();
+
+}  // namespace flare::cpu
