@@ -1,0 +1,69 @@
+// attention_policy.hpp — which keys a query sees and how a score is shaped: the small policy objects shared
+// by every backend (CPU now, CUDA later), so all paths agree by construction.
+//
+// Positions are relative to one sequence: query i in [0, seqlen_q), key j in [0, seqlen_k). The diagonal
+// of query i is key i + seqlen_k - seqlen_q (bottom-right alignment, as in FlashAttention).
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#  define FLARE_HD __host__ __device__ __forceinline__
+#else
+// always_inline: these are compiled into several per-ISA translation units; no out-of-line copy may be
+// shared between them.
+#  define FLARE_HD inline __attribute__((always_inline))
+#endif
+
+namespace flare::policy {
+
+// The visible keys of a query row form one contiguous range [first, last] (empty when first > last):
+// the intersection of [0, seqlen_k) with the (causal-folded) sliding window around the diagonal.
+struct KeyRange {
+  int64_t first;
+  int64_t last;
+};
+
+struct WindowMask {
+  int64_t seqlen_q;
+  int64_t seqlen_k;
+  int64_t window_left;   // -1 = unbounded
+  int64_t window_right;  // -1 = unbounded; causal is window_right = 0
+
+  FLARE_HD int64_t diagonal(int64_t i) const { return i + seqlen_k - seqlen_q; }
+
+  FLARE_HD KeyRange keys_of(int64_t i) const {
+    int64_t first = 0;
+    int64_t last = seqlen_k - 1;
+    const int64_t d = diagonal(i);
+    if (window_left >= 0 && d - window_left > first) first = d - window_left;
+    if (window_right >= 0 && d + window_right < last) last = d + window_right;
+    return {first, last};
+  }
+
+  // Keys visible to any query in [i0, i1): the union of the rows' ranges (they slide monotonically).
+  FLARE_HD KeyRange keys_of_rows(int64_t i0, int64_t i1) const {
+    const KeyRange a = keys_of(i0);
+    const KeyRange b = keys_of(i1 - 1);
+    return {a.first < b.first ? a.first : b.first, a.last > b.last ? a.last : b.last};
+  }
+
+  // Queries that see key j: the inverse of keys_of, used by the backward pass to skip query tiles.
+  FLARE_HD KeyRange queries_of_keys(int64_t j0, int64_t j1) const {
+    // query i sees key j iff d(i) - wl <= j <= d(i) + wr, i.e. j - wr <= d(i) <= j + wl
+    int64_t first = 0;
+    int64_t last = seqlen_q - 1;
+    const int64_t shift = seqlen_k - seqlen_q;  // d(i) = i + shift
+    if (window_right >= 0 && j0 - window_right - shift > first) first = j0 - window_right - shift;
+    if (window_left >= 0 && j1 - 1 + window_left - shift < last) last = j1 - 1 + window_left - shift;
+    return {first, last};
+  }
+};
+
+// ALiBi bias of query i and key j: -slope * |diagonal(i) - j|.
+FLARE_HD float alibi_bias(float slope, int64_t diagonal_i, int64_t j) {
+  const int64_t dist = diagonal_i > j ? diagonal_i - j : j - diagonal_i;
+  return -slope * static_cast<float>(dist);
+}
+
+}  // namespace flare::policy

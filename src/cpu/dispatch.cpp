@@ -1,0 +1,110 @@
+// dispatch.cpp — the CPU backend's entry points: picks the SIMD level once per process, secures scratch
+// (the caller's workspace or one allocation) before anything is written, and runs the pass.
+#include <omp.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+
+#include "api/error.hpp"
+#include "cpu/cpu_backend.hpp"
+#include "cpu/isa_kernels.hpp"
+
+namespace flare::cpu {
+namespace {
+
+using detail::Problem;
+
+struct Kernels {
+  const char* name;
+  size_t (*forward_scratch)(const Problem&, int);
+  void (*forward)(const Problem&, void*, int);
+  size_t (*backward_scratch)(const Problem&, int);
+  void (*backward)(const Problem&, void*, int);
+};
+
+constexpr Kernels kAvx512{"avx512", avx512::forward_scratch, avx512::forward, avx512::backward_scratch,
+                          avx512::backward};
+constexpr Kernels kAvx2{"avx2", avx2::forward_scratch, avx2::forward, avx2::backward_scratch, avx2::backward};
+constexpr Kernels kGeneric{"generic", generic::forward_scratch, generic::forward, generic::backward_scratch,
+                           generic::backward};
+
+// The best level the processor supports, lowered by FLARE_CPU_ISA if set (never raised).
+const Kernels& select_kernels() {
+  int level = 0;
+#if defined(FLARE_X86)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) level = 1;
+  if (level == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512bf16"))
+    level = 2;
+#endif
+  if (const char* forced = std::getenv("FLARE_CPU_ISA")) {
+    int wanted = level;
+    if (std::strcmp(forced, "generic") == 0) wanted = 0;
+    if (std::strcmp(forced, "avx2") == 0) wanted = 1;
+    if (std::strcmp(forced, "avx512") == 0) wanted = 2;
+    level = wanted < level ? wanted : level;
+  }
+  return level == 2 ? kAvx512 : level == 1 ? kAvx2 : kGeneric;
+}
+
+const Kernels& kernels() {
+  static const Kernels& chosen = select_kernels();
+  return chosen;
+}
+
+int thread_count(const Problem& p) { return p.num_threads > 0 ? p.num_threads : omp_get_max_threads(); }
+
+// Runs pass with scratch of `bytes`: the caller's workspace when given (validated to be large enough),
+// else one allocation; fails with OUT_OF_MEMORY before anything is written.
+template <class Run>
+flare_status with_scratch(const Problem& p, size_t bytes, Run run) {
+  if (p.workspace != nullptr) {
+    run(p.workspace);
+    return FLARE_OK;
+  }
+  std::unique_ptr<char[]> scratch(new (std::nothrow) char[bytes]);
+  if (!scratch)
+    return detail::fail(FLARE_OUT_OF_MEMORY, "could not allocate " + std::to_string(bytes) +
+                                                 " bytes of CPU scratch; pass a workspace or use smaller inputs");
+  run(scratch.get());
+  return FLARE_OK;
+}
+
+}  // namespace
+
+const char* isa_name() { return kernels().name; }
+
+size_t workspace_size(const Problem& p) {
+  const int nt = thread_count(p);
+  switch (p.pass) {
+    case detail::Pass::kBackward: return kernels().backward_scratch(p, nt);
+    case detail::Pass::kKvCache: return kernels().forward_scratch(p, nt) + kvcache_extra_scratch(p);
+    default: return kernels().forward_scratch(p, nt);
+  }
+}
+
+flare_status forward(const Problem& p) {
+  const int nt = thread_count(p);
+  return with_scratch(p, kernels().forward_scratch(p, nt), [&](void* s) { kernels().forward(p, s, nt); });
+}
+
+flare_status backward(const Problem& p) {
+  const int nt = thread_count(p);
+  return with_scratch(p, kernels().backward_scratch(p, nt), [&](void* s) { kernels().backward(p, s, nt); });
+}
+
+flare_status kvcache(const Problem& p) {
+  const int nt = thread_count(p);
+  return with_scratch(p, workspace_size(p), [&](void* s) {
+    char* base = static_cast<char*>(s);
+    const Problem attend = kvcache_prepare(p, base + kernels().forward_scratch(p, nt));
+    kernels().forward(attend, base, nt);
+  });
+}
+
+}  // namespace flare::cpu

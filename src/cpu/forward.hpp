@@ -1,0 +1,201 @@
+// forward.hpp — the CPU forward pass: tiles of queries against blocks of keys with online softmax.
+//
+// For each (sequence, kv head) group the keys are packed once (K transposed into per-block panels, V padded)
+// in the compute type; then the group's query heads x query tiles are spread over the threads. A tile keeps
+// its output accumulator, running max m and running sum l; per key block:
+//   S = Q K^T (scaled Q)  ->  softcap / ALiBi / mask  ->  m' = max(m, rowmax S), P = exp(S - m'),
+//   l = l * exp(m - m') + rowsum P,  O = O * exp(m - m') + P V.
+// At the end O / l is written and lse = m + log l. Scratch is O(seqlen_k * headdim) per group plus O(tile)
+// per thread: no seqlen_q x seqlen_k buffer exists. Rows that see no key get out = 0 and lse = -inf.
+#pragma once
+
+#include <cmath>
+#include <omp.h>
+
+#include "cpu/arena.hpp"
+#include "cpu/score_tile.hpp"
+#include "cpu/sequences.hpp"
+#include "cpu/tile_gemm.hpp"
+
+namespace flare::cpu::FLARE_ISA {
+
+template <class T>
+struct ForwardTiles {
+  static constexpr int64_t kBq = 64;  // query rows per tile (multiple of GemmShape::kRows)
+  static constexpr int64_t kBk = 64;  // keys per block (multiple of every W)
+};
+
+inline int64_t max_keys(const Problem& p) {
+  return p.pass == Pass::kKvCache ? p.seqlen_cache : p.seqlen_k;
+}
+
+template <class T>
+struct ForwardScratch {
+  int64_t dp = 0, dvp = 0, nkb = 0;  // padded head dims, key blocks
+  T* kt = nullptr;                   // nkb panels of (headdim x kBk)
+  T* v = nullptr;                    // (nkb * kBk) x dvp
+  struct PerThread {
+    T *q, *s, *o, *m, *l;
+  };
+  PerThread* threads = nullptr;
+
+  void layout(Arena& a, const Problem& p, int nt) {
+    using Tiles = ForwardTiles<T>;
+    constexpr int W = Simd<T>::W;
+    dp = round_up(p.headdim, W);
+    dvp = round_up(p.headdim_v, W);
+    nkb = (max_keys(p) + Tiles::kBk - 1) / Tiles::kBk;
+    kt = a.take<T>(nkb * Tiles::kBk * p.headdim);
+    v = a.take<T>(nkb * Tiles::kBk * dvp);
+    threads = a.take<PerThread>(nt);
+    for (int t = 0; t < nt; ++t) {
+      PerThread pt{a.take<T>(Tiles::kBq * dp), a.take<T>(Tiles::kBq * Tiles::kBk), a.take<T>(Tiles::kBq * dvp),
+                   a.take<T>(Tiles::kBq), a.take<T>(Tiles::kBq)};
+      if (threads) threads[t] = pt;
+    }
+  }
+};
+
+// Packs keys [j0, j0 + kBk) of one kv head: K^T panel (headdim x kBk) and V rows (kBk x dvp), zero-padded.
+template <class T>
+inline void pack_key_block(const Problem& p, const RowPtr& krows, const RowPtr& vrows, int64_t seqlen_k,
+                           int64_t kb, ForwardScratch<T>& ws, T* row_buf) {
+  constexpr int64_t Bk = ForwardTiles<T>::kBk;
+  const int64_t d = p.headdim, dv = p.headdim_v;
+  T* panel = ws.kt + kb * Bk * d;
+  T* vblock = ws.v + kb * Bk * ws.dvp;
+  for (int64_t jj = 0; jj < Bk; ++jj) {
+    const int64_t j = kb * Bk + jj;
+    T* vr = vblock + jj * ws.dvp;
+    if (j < seqlen_k) {
+      load_row<T>(krows.row(j), p.dtype, row_buf, d, T(1));
+      for (int64_t c = 0; c < d; ++c) panel[c * Bk + jj] = row_buf[c];
+      load_row<T>(vrows.row(j), p.dtype, vr, dv, T(1));
+    } else {
+      for (int64_t c = 0; c < d; ++c) panel[c * Bk + jj] = T(0);
+      for (int64_t c = 0; c < dv; ++c) vr[c] = T(0);
+    }
+    for (int64_t c = dv; c < ws.dvp; ++c) vr[c] = T(0);
+  }
+}
+
+// One query tile [i0, i0 + kBq) of head h against every visible key block.
+template <class T>
+inline void forward_tile(const Problem& p, const Sequence& seq, int64_t h, int64_t i0,
+                         const ForwardScratch<T>& ws, const typename ForwardScratch<T>::PerThread& t) {
+  using V = vec_t<T>;
+  constexpr int W = Simd<T>::W;
+  constexpr int64_t Bq = ForwardTiles<T>::kBq, Bk = ForwardTiles<T>::kBk;
+  const int64_t d = p.headdim, dv = p.headdim_v, dp = ws.dp, dvp = ws.dvp;
+  const int64_t rows = smin(Bq, seq.seqlen_q - i0);
+  const policy::WindowMask mask = seq.mask(p);
+  const RowPtr qrows = query_rows(p, p.q, seq, h);
+  const RowPtr orows = query_rows(p, p.out, seq, h);
+  float* lse = lse_row(p, seq, h);
+
+  const policy::KeyRange keys = mask.keys_of_rows(i0, i0 + rows);
+  const int64_t first = smax<int64_t>(keys.first, 0), last = smin<int64_t>(keys.last, seq.seqlen_k - 1);
+
+  for (int64_t r = 0; r < Bq; ++r) {
+    T* qr = t.q + r * dp;
+    if (r < rows) {
+      load_row<T>(qrows.row(i0 + r), p.dtype, qr, d, static_cast<T>(p.score.scale));
+      for (int64_t c = d; c < dp; ++c) qr[c] = T(0);
+    } else {
+      for (int64_t c = 0; c < dp; ++c) qr[c] = T(0);
+    }
+    t.m[r] = static_cast<T>(kNegInf);
+    t.l[r] = T(0);
+  }
+  for (int64_t x = 0; x < Bq * dvp; x += W) vstore(t.o + x, V{});
+
+  ScoreShape shape;
+  shape.softcap = p.score.softcap;
+  shape.alibi = p.score.alibi_slopes != nullptr;
+  shape.slope = alibi_slope(p, seq, h);
+  const bool plain = shape.softcap == 0 && !shape.alibi;
+
+  for (int64_t kb = first / Bk; first <= last && kb <= last / Bk; ++kb) {
+    const int64_t j0 = kb * Bk;
+    gemm_tile<T, false>(Bq, Bk, d, t.q, dp, ws.kt + kb * Bk * d, Bk, t.s, Bk);
+    // Skip the shaping when every row of the tile sees the whole block and nothing else shapes scores.
+    const policy::KeyRange top = mask.keys_of(i0), bottom = mask.keys_of(i0 + rows - 1);
+    const bool full = top.first <= j0 && bottom.first <= j0 && smin(top.last, bottom.last) >= j0 + Bk - 1 &&
+                      j0 + Bk <= seq.seqlen_k;
+    if (!plain || !full) shape_scores<T>(t.s, Bk, rows, Bk, i0, j0, mask, shape, nullptr);
+    for (int64_t r = 0; r < rows; ++r) {
+      T* srow = t.s + r * Bk;
+      V mx = vload(srow);
+      for (int64_t c = W; c < Bk; c += W) mx = vmax(mx, vload(srow + c));
+      const T m_new = smax(t.m[r], hmax(mx));
+      if (m_new == static_cast<T>(kNegInf)) {  // nothing visible yet in this row
+        for (int64_t c = 0; c < Bk; c += W) vstore(srow + c, V{});
+        continue;
+      }
+      const T alpha = t.m[r] == static_cast<T>(kNegInf) ? T(0) : static_cast<T>(std::exp(t.m[r] - m_new));
+      V sum{};
+      for (int64_t c = 0; c < Bk; c += W) {
+        const V e = vexp(vload(srow + c) - m_new);
+        sum += e;
+        vstore(srow + c, e);
+      }
+      t.l[r] = t.l[r] * alpha + hsum(sum);
+      t.m[r] = m_new;
+      if (alpha != T(1)) {
+        T* orow = t.o + r * dvp;
+        for (int64_t c = 0; c < dvp; c += W) vstore(orow + c, vload(orow + c) * alpha);
+      }
+    }
+    for (int64_t r = rows; r < Bq; ++r)
+      for (int64_t c = 0; c < Bk; c += W) vstore(t.s + r * Bk + c, V{});
+    gemm_tile<T, true>(Bq, dvp, Bk, t.s, Bk, ws.v + kb * Bk * dvp, dvp, t.o, dvp);
+  }
+
+  for (int64_t r = 0; r < rows; ++r) {
+    const bool empty = t.l[r] == T(0);
+    const T inv = empty ? T(0) : T(1) / t.l[r];
+    if (empty) for (int64_t c = 0; c < dv; ++c) t.o[r * dvp + c] = T(0);
+    store_row<T>(t.o + r * dvp, inv, orows.row(i0 + r), p.dtype, dv);
+    if (lse) lse[i0 + r] = empty ? kNegInf : static_cast<float>(t.m[r] + std::log(t.l[r]));
+  }
+}
+
+template <class T>
+inline size_t forward_scratch_bytes(const Problem& p, int nt) {
+  Arena a;
+  ForwardScratch<T> ws;
+  ws.layout(a, p, nt);
+  return a.used();
+}
+
+template <class T>
+inline void forward_impl(const Problem& p, void* scratch, int nt) {
+  constexpr int64_t Bq = ForwardTiles<T>::kBq, Bk = ForwardTiles<T>::kBk;
+  Arena arena(scratch);
+  ForwardScratch<T> ws;
+  ws.layout(arena, p, nt);
+  const int64_t group = p.nheads / p.nheads_k;
+
+#pragma omp parallel num_threads(nt)
+  {
+    const auto& mine = ws.threads[omp_get_thread_num()];
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const Sequence seq = sequence_of(p, b);
+      if (seq.seqlen_q == 0) continue;
+      const int64_t nkb = (seq.seqlen_k + Bk - 1) / Bk, nqt = (seq.seqlen_q + Bq - 1) / Bq;
+      for (int64_t hk = 0; hk < p.nheads_k; ++hk) {
+        const RowPtr krows = key_rows(p, p.k, seq, hk), vrows = key_rows(p, p.v, seq, hk);
+#pragma omp for schedule(static)
+        for (int64_t kb = 0; kb < nkb; ++kb) pack_key_block<T>(p, krows, vrows, seq.seqlen_k, kb, ws, mine.q);
+        // Tiles near the end of a causal sequence see the most keys: hand them out first.
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < group * nqt; ++task) {
+          const int64_t qt = nqt - 1 - task / group;
+          forward_tile<T>(p, seq, hk * group + task % group, qt * Bq, ws, mine);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace flare::cpu::FLARE_ISA

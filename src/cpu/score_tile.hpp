@@ -1,0 +1,58 @@
+// score_tile.hpp — turns a tile of raw scores (scale * q·k) into what the softmax sees: softcap, ALiBi and
+// the key-range mask of each row (common/attention_policy.hpp), vectorised over the tile's columns.
+#pragma once
+
+#include "common/attention_policy.hpp"
+#include "cpu/simd.hpp"
+
+namespace flare::cpu::FLARE_ISA {
+
+struct ScoreShape {
+  float softcap = 0.0f;  // 0 = off
+  float slope = 0.0f;    // ALiBi slope of this head
+  bool alibi = false;
+};
+
+// s: rows x cols (cols a multiple of W) with leading dimension ld; row r is query i0 + r, column c is key
+// j0 + c. Masked entries become -inf. With softcap, tanh_out (same layout) receives tanh(raw / softcap) for
+// the backward pass's derivative (may be null).
+template <class T>
+inline void shape_scores(T* s, int64_t ld, int64_t rows, int64_t cols, int64_t i0, int64_t j0,
+                         const policy::WindowMask& mask, const ScoreShape& shape, T* tanh_out) {
+  using V = vec_t<T>;
+  constexpr int W = Simd<T>::W;
+  const V iota = viota<T>();
+  const T inv_cap = shape.softcap > 0 ? T(1) / T(shape.softcap) : T(0);
+  const T neg_inf = static_cast<T>(kNegInf);
+  for (int64_t r = 0; r < rows; ++r) {
+    T* row = s + r * ld;
+    const int64_t i = i0 + r;
+    if (shape.softcap > 0) {
+      T* trow = tanh_out ? tanh_out + r * ld : nullptr;
+      for (int64_t c = 0; c < cols; c += W) {
+        const V t = vtanh<T>(vload(row + c) * inv_cap);
+        if (trow) vstore(trow + c, t);
+        vstore(row + c, t * T(shape.softcap));
+      }
+    }
+    if (shape.alibi) {
+      const T diag = static_cast<T>(mask.diagonal(i));
+      const T slope = static_cast<T>(shape.slope);
+      for (int64_t c = 0; c < cols; c += W) {
+        const V dist = vset<T>(diag) - (iota + static_cast<T>(j0 + c));
+        vstore(row + c, vload(row + c) - slope * (dist < 0 ? -dist : dist));
+      }
+    }
+    const policy::KeyRange keys = mask.keys_of(i);
+    if (keys.first > j0 || keys.last < j0 + cols - 1) {
+      const T first = static_cast<T>(keys.first - j0);
+      const T last = static_cast<T>(keys.last - j0);
+      for (int64_t c = 0; c < cols; c += W) {
+        const V j = iota + static_cast<T>(c);
+        vstore(row + c, (j < first) | (j > last) ? vset<T>(neg_inf) : vload(row + c));
+      }
+    }
+  }
+}
+
+}  // namespace flare::cpu::FLARE_ISA

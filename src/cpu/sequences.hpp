@@ -1,0 +1,111 @@
+// sequences.hpp — where the rows of one (sequence, head) live: dense batches, varlen (cu_seqlens) and the
+// KV cache (cache_batch_idx, leftpad, paged block_table) all reduce to a Sequence and RowPtrs.
+// Per-ISA like the kernels (see simd.hpp for why).
+#pragma once
+
+#include "api/problem.hpp"
+#include "common/attention_policy.hpp"
+#include "cpu/simd.hpp"
+
+namespace flare::cpu::FLARE_ISA {
+
+using detail::Operand;
+using detail::Pass;
+using detail::Problem;
+
+// Row t of one head of one sequence. Dense rows: base + t * row_bytes. Paged rows: block
+// blocks[t / block_size], row t % block_size. offset shifts logical row 0 (cache_leftpad).
+struct RowPtr {
+  char* base = nullptr;
+  int64_t row_bytes = 0;
+  const int32_t* blocks = nullptr;
+  int64_t block_size = 0;
+  int64_t block_bytes = 0;
+  int64_t offset = 0;
+
+  char* row(int64_t t) const {
+    t += offset;
+    if (blocks == nullptr) return base + t * row_bytes;
+    return base + blocks[t / block_size] * block_bytes + (t % block_size) * row_bytes;
+  }
+};
+
+struct Sequence {
+  int64_t b = 0;
+  int64_t seqlen_q = 0;
+  int64_t seqlen_k = 0;
+  int64_t q_token = 0;   // global token index of query 0 (varlen), else 0
+  int64_t k_token = 0;   // global token index of key 0 (varlen), else 0
+  int64_t cache_row = 0; // kv cache: the batch row of a dense cache
+  int64_t leftpad = 0;   // kv cache: position of key 0
+
+  policy::WindowMask mask(const Problem& p) const {
+    return {seqlen_q, seqlen_k, p.score.window_left, p.score.window_right};
+  }
+};
+
+inline Sequence sequence_of(const Problem& p, int64_t b) {
+  Sequence s;
+  s.b = b;
+  if (p.pass == Pass::kKvCache) {
+    s.seqlen_q = p.seqlen_q;
+    s.leftpad = p.cache_leftpad ? p.cache_leftpad[b] : 0;
+    const int64_t cached = p.cache_seqlens ? p.cache_seqlens[b] : p.seqlen_cache;
+    s.seqlen_k = cached + p.seqlen_new - s.leftpad;
+    s.cache_row = p.cache_batch_idx ? p.cache_batch_idx[b] : b;
+  } else if (p.varlen) {
+    s.q_token = p.cu_seqlens_q[b];
+    s.k_token = p.cu_seqlens_k[b];
+    s.seqlen_q = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
+    s.seqlen_k = p.seqused_k ? p.seqused_k[b] : p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b];
+  } else {
+    s.seqlen_q = p.seqlen_q;
+    s.seqlen_k = p.seqlen_k;
+  }
+  return s;
+}
+
+// Rows of a query-side operand (q, out, dout, dq): dense by batch, varlen by token.
+inline RowPtr query_rows(const Problem& p, const Operand& op, const Sequence& s, int64_t h) {
+  const int64_t es = dtype_size(p.dtype);
+  RowPtr r;
+  r.base = static_cast<char*>(op.data) + (s.b * op.batch_stride + s.q_token * op.row_stride + h * op.head_stride) * es;
+  r.row_bytes = op.row_stride * es;
+  return r;
+}
+
+// Rows of a key-side operand (k, v, dk, dv), including the KV cache's batch index, leftpad and paging.
+inline RowPtr key_rows(const Problem& p, const Operand& op, const Sequence& s, int64_t hk) {
+  const int64_t es = dtype_size(p.dtype);
+  RowPtr r;
+  r.row_bytes = op.row_stride * es;
+  char* data = static_cast<char*>(op.data);
+  if (p.pass == Pass::kKvCache) {
+    r.offset = s.leftpad;
+    if (p.block_table != nullptr) {
+      r.base = data + hk * op.head_stride * es;
+      r.blocks = p.block_table + s.b * p.block_table_stride;
+      r.block_size = p.block_size;
+      r.block_bytes = op.batch_stride * es;
+    } else {
+      r.base = data + (s.cache_row * op.batch_stride + hk * op.head_stride) * es;
+    }
+    return r;
+  }
+  r.base = data + (s.b * op.batch_stride + s.k_token * op.row_stride + hk * op.head_stride) * es;
+  return r;
+}
+
+// The softmax_lse row of head h (seqlen_q entries, stride 1), or nullptr when no lse is wanted.
+inline float* lse_row(const Problem& p, const Sequence& s, int64_t h) {
+  if (p.lse == nullptr) return nullptr;
+  return p.lse + s.b * p.lse_batch_stride + h * p.lse_head_stride + s.q_token;
+}
+
+inline float alibi_slope(const Problem& p, const Sequence& s, int64_t h) {
+  return p.score.alibi_slopes ? p.score.alibi_slopes[s.b * p.score.alibi_batch_stride + h] : 0.0f;
+}
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+}  // namespace flare::cpu::FLARE_ISA

@@ -1,0 +1,279 @@
+// simd.hpp — the vector type of one instruction set and the math the kernels need on it.
+//
+// Included only by the per-ISA kernel translation units (isa_avx512.cpp, isa_avx2.cpp, isa_generic.cpp),
+// each of which defines FLARE_ISA (its namespace) and FLARE_VEC_BYTES (its register width) first. Everything
+// lives in flare::cpu::FLARE_ISA so that no inline function compiled with one ISA's flags can be picked by the
+// linker for another. GCC vector extensions keep one source for every width; with the wider ISAs enabled the
+// compiler emits zmm/ymm instructions, and a*b+c contracts to FMA.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__F16C__) || defined(__AVX512F__)
+#  include <immintrin.h>
+#endif
+
+#include "flare/flare.h"
+
+namespace flare::cpu::FLARE_ISA {
+
+template <class T>
+struct Simd {
+  static constexpr int kBytes = FLARE_VEC_BYTES;
+  static constexpr int W = kBytes / static_cast<int>(sizeof(T));  // lanes
+  typedef T V __attribute__((vector_size(kBytes)));
+  using I = std::conditional_t<sizeof(T) == 4, int32_t, int64_t>;
+  typedef I VI __attribute__((vector_size(kBytes)));
+};
+
+template <class T> using vec_t = typename Simd<T>::V;
+
+template <class T>
+inline vec_t<T> vload(const T* p) {
+  vec_t<T> v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+template <class T>
+inline void vstore(T* p, vec_t<T> v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+template <class T>
+inline vec_t<T> vset(T x) {
+  return x - vec_t<T>{};  // x - (+0) is exactly x, so this folds to a plain broadcast
+}
+template <class V>
+inline V vmax(V a, V b) {
+  return a > b ? a : b;
+}
+template <class V>
+inline V vmin(V a, V b) {
+  return a < b ? a : b;
+}
+template <class T>
+inline vec_t<T> viota() {
+  vec_t<T> v;
+  for (int i = 0; i < Simd<T>::W; ++i) v[i] = static_cast<T>(i);
+  return v;
+}
+template <class V>
+inline auto hsum(V v) {
+  auto s = v[0];
+  for (size_t i = 1; i < sizeof(V) / sizeof(s); ++i) s += v[i];
+  return s;
+}
+template <class V>
+inline auto hmax(V v) {
+  auto m = v[0];
+  for (size_t i = 1; i < sizeof(V) / sizeof(m); ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+template <class T> inline T smin(T a, T b) { return a < b ? a : b; }
+template <class T> inline T smax(T a, T b) { return a > b ? a : b; }
+
+inline constexpr float kNegInf = -__builtin_inff();
+
+// exp(x) for float lanes: x = n*ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial (relative error
+// < 2e-7), 2^n by building the exponent bits. Lanes below the fp32 range (and -inf) give exactly 0.
+inline vec_t<float> vexp(vec_t<float> x) {
+  using V = vec_t<float>;
+  using VI = typename Simd<float>::VI;
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kLn2Hi = 0.693359375f;      // ln 2 split so that n * kLn2Hi is exact
+  constexpr float kLn2Lo = -2.12194440e-4f;
+  constexpr float kMaxArg = 88.3762626647949f;
+  constexpr float kMinArg = -87.3365447505531f;  // exp(kMinArg) is the smallest normal float
+  const V xc = vmin(vmax(x, vset(kMinArg)), vset(kMaxArg));
+  const V n = __builtin_convertvector(__builtin_convertvector(xc * kLog2e + (xc >= 0 ? 0.5f : -0.5f), VI), V);
+  const V r = (xc - n * kLn2Hi) - n * kLn2Lo;
+  V p = vset(1.0f / 720.0f);
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
+  V scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  const V y = p * scale;
+  return x < kMinArg ? V{} : y;
+}
+
+// Double lanes: computed per lane with the C library (fp64 is the checking dtype, not a speed path).
+inline vec_t<double> vexp(vec_t<double> x) {
+  for (int i = 0; i < Simd<double>::W; ++i) x[i] = __builtin_exp(x[i]);
+  return x;
+}
+
+// expm1 accurate for small |x| (a Taylor series to x^9 for |x| < 0.5, exp(x) - 1 elsewhere).
+inline vec_t<float> vexpm1(vec_t<float> x) {
+  using V = vec_t<float>;
+  V p = vset(1.0f / 362880.0f);
+  p = p * x + 1.0f / 40320.0f;
+  p = p * x + 1.0f / 5040.0f;
+  p = p * x + 1.0f / 720.0f;
+  p = p * x + 1.0f / 120.0f;
+  p = p * x + 1.0f / 24.0f;
+  p = p * x + 1.0f / 6.0f;
+  p = p * x + 0.5f;
+  p = p * x + 1.0f;
+  const V small = p * x;
+  const V ax = x < 0 ? -x : x;
+  return ax < 0.5f ? small : vexp(x) - 1.0f;
+}
+inline vec_t<double> vexpm1(vec_t<double> x) {
+  for (int i = 0; i < Simd<double>::W; ++i) x[i] = __builtin_expm1(x[i]);
+  return x;
+}
+
+// tanh(x) = sign(x) * -e / (2 + e), e = expm1(-2|x|): no cancellation near 0, saturates to ±1.
+template <class T>
+inline vec_t<T> vtanh(vec_t<T> x) {
+  using V = vec_t<T>;
+  const V ax = x < 0 ? -x : x;
+  const V e = vexpm1(ax * T(-2));
+  const V t = -e / (e + T(2));
+  return x < 0 ? -t : t;
+}
+
+// ---- storage conversions (rows of q/k/v/out in their dtype <-> compute type T) ----------------------
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);  // quiet NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(bits >> 16);
+}
+inline float f16_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exp = 113;
+    while ((man & 0x400u) == 0) {
+      man <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline uint16_t float_to_f16(float f) {
+#if defined(__F16C__)
+  return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+#else
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint32_t sign = (bits >> 16) & 0x8000u;
+  const uint32_t absb = bits & 0x7fffffffu;
+  if (absb > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);
+  if (absb >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to >= 65520: inf
+  if (absb < 0x38800000u) {  // below the smallest normal half: round into a subnormal
+    float af;
+    std::memcpy(&af, &absb, 4);
+    const float scaled = af * 16777216.0f;  // 2^24: units of the smallest subnormal
+    const float rounded = __builtin_nearbyintf(scaled);
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(rounded));
+  }
+  uint32_t v = absb - 0x38000000u;  // rebias exponent 127 -> 15
+  v += 0xfffu + ((v >> 13) & 1u);
+  return static_cast<uint16_t>(sign | (v >> 13));
+#endif
+}
+
+// dst[c] = src[c] * mul for c < n, converting from the storage dtype.
+template <class T>
+inline void load_row(const void* src, flare_dtype dtype, T* dst, int64_t n, T mul) {
+  switch (dtype) {
+    case FLARE_DTYPE_F32: {
+      const float* s = static_cast<const float*>(src);
+      for (int64_t c = 0; c < n; ++c) dst[c] = static_cast<T>(s[c]) * mul;
+      break;
+    }
+    case FLARE_DTYPE_F64: {
+      const double* s = static_cast<const double*>(src);
+      for (int64_t c = 0; c < n; ++c) dst[c] = static_cast<T>(s[c]) * mul;
+      break;
+    }
+    case FLARE_DTYPE_BF16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      for (int64_t c = 0; c < n; ++c) dst[c] = static_cast<T>(bf16_to_float(s[c])) * mul;
+      break;
+    }
+    case FLARE_DTYPE_F16: {
+      const uint16_t* s = static_cast<const uint16_t*>(src);
+      int64_t c = 0;
+#if defined(__F16C__)
+      for (; c + 8 <= n; c += 8) {
+        float tmp[8];
+        _mm256_storeu_ps(tmp, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + c))));
+        for (int i = 0; i < 8; ++i) dst[c + i] = static_cast<T>(tmp[i]) * mul;
+      }
+#endif
+      for (; c < n; ++c) dst[c] = static_cast<T>(f16_to_float(s[c])) * mul;
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+// dst[c] = src[c] * mul for c < n, converting to the storage dtype (round to nearest even).
+template <class T>
+inline void store_row(const T* src, T mul, void* dst, flare_dtype dtype, int64_t n) {
+  switch (dtype) {
+    case FLARE_DTYPE_F32: {
+      float* d = static_cast<float*>(dst);
+      for (int64_t c = 0; c < n; ++c) d[c] = static_cast<float>(src[c] * mul);
+      break;
+    }
+    case FLARE_DTYPE_F64: {
+      double* d = static_cast<double*>(dst);
+      for (int64_t c = 0; c < n; ++c) d[c] = static_cast<double>(src[c] * mul);
+      break;
+    }
+    case FLARE_DTYPE_BF16: {
+      uint16_t* d = static_cast<uint16_t*>(dst);
+      for (int64_t c = 0; c < n; ++c) d[c] = float_to_bf16(static_cast<float>(src[c] * mul));
+      break;
+    }
+    case FLARE_DTYPE_F16: {
+      uint16_t* d = static_cast<uint16_t*>(dst);
+      for (int64_t c = 0; c < n; ++c) d[c] = float_to_f16(static_cast<float>(src[c] * mul));
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+inline int64_t dtype_size(flare_dtype dtype) {
+  switch (dtype) {
+    case FLARE_DTYPE_F64: return 8;
+    case FLARE_DTYPE_F16:
+    case FLARE_DTYPE_BF16: return 2;
+    default: return 4;
+  }
+}
+
+}  // namespace flare::cpu::FLARE_ISA
