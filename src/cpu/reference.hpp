@@ -1,0 +1,106 @@
+// reference.hpp — the naive fp64 attention reference that the tests (and tools) check the kernels against.
+//
+// Written independently of the kernels in src/cpu: it materialises the scores of one query row at a time,
+// loops in the most direct order and computes in fp64. It shares no code with the kernels (no mask or
+// softcap policy objects), so a misreading of the semantics in one place does not hide in both.
+//
+// One call handles one sequence; a dense batch or a varlen batch is a list of sequences, each with its own
+// lengths. Every array is contiguous in a canonical layout:
+//   q   [seqlen_q][nheads][headdim]        k [seqlen_k][nheads_k][headdim]   v [seqlen_k][nheads_k][headdim_v]
+//   out [seqlen_q][nheads][headdim_v]      lse [nheads][seqlen_q]            (natural log)
+// Semantics are FlashAttention's, as written in include/flare/flare.h:
+//   score(i, j) = scale * q_i·k_j;  softcap > 0: score = softcap * tanh(score / softcap);
+//   ALiBi:       score += -slope_h * |i + seqlen_k - seqlen_q - j|;
+//   mask:        key j visible to query i iff  i + sk - sq - left <= j <= i + sk - sq + right
+//                (a side of -1 is unbounded; causal sets right = 0);
+//   GQA:         query head h reads kv head h / (nheads / nheads_k);
+//   a query row with no visible key gets out = 0 and lse = -inf.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace flare::reference {
+
+struct Dims {
+  int64_t nheads = 1;
+  int64_t nheads_k = 1;
+  int64_t headdim = 1;
+  int64_t headdim_v = 1;
+};
+
+struct Options {
+  double softmax_scale = 0.0;  // 0 = 1 / sqrt(headdim)
+  double softcap = 0.0;        // 0 = off
+  bool causal = false;         // folds into window_right = 0
+  int64_t window_left = -1;    // -1 = unbounded
+  int64_t window_right = -1;   // -1 = unbounded
+  std::vector<double> alibi_slopes;  // this sequence's slope per query head (nheads); empty = no ALiBi
+};
+
+// Models a computation that keeps its intermediates in a low-precision dtype ("same-dtype naive"): when
+// set, it rounds the probabilities P (after normalisation) and the output in the forward, and P, dP, dS
+// and the gradients in the backward; the kv-cache pass also rounds rotated q and rotated k_new (they are
+// stored in that dtype). nullptr = exact fp64 throughout.
+using RoundFn = double (*)(double);
+
+struct Sequence {
+  int64_t seqlen_q = 0;
+  int64_t seqlen_k = 0;
+  std::vector<double> q, k, v;
+};
+
+struct ForwardResult {
+  std::vector<double> out;  // [seqlen_q][nheads][headdim_v]
+  std::vector<double> lse;  // [nheads][seqlen_q]
+};
+
+struct Gradients {
+  std::vector<double> dq;  // like q
+  std::vector<double> dk;  // like k, summed over the query heads of a group
+  std::vector<double> dv;  // like v, likewise
+};
+
+// Whether query i sees key j in a sequence of these lengths (the mask only; ALiBi and softcap aside).
+bool key_visible(const Options& opts, int64_t i, int64_t j, int64_t seqlen_q, int64_t seqlen_k);
+
+ForwardResult forward(const Dims& dims, const Options& opts, const Sequence& seq, RoundFn round = nullptr);
+
+// Exact gradients of sum(out * dout) with respect to q, k and v; dout is [seqlen_q][nheads][headdim_v].
+Gradients backward(const Dims& dims, const Options& opts, const Sequence& seq, const std::vector<double>& dout,
+                   RoundFn round = nullptr);
+
+// ---- KV-cache attention (flash_attn_with_kvcache semantics, see flare_kvcache_params in flare.h) ----
+
+struct Rotary {
+  int64_t rotary_dim = 0;    // 0 = no rotary; else even and <= headdim
+  bool interleaved = false;  // rotate pairs (0,1),(2,3)... instead of halves (c, c + rotary_dim / 2)
+  int64_t seqlen_ro = 0;     // rows of cos/sin
+  std::vector<double> cos, sin;  // [seqlen_ro][rotary_dim / 2]
+};
+
+// Rotates x ([rows][heads][headdim]) in place; row r uses the cos/sin row first_position + r * position_step.
+void apply_rotary(std::vector<double>& x, int64_t rows, int64_t heads, int64_t headdim, const Rotary& rotary,
+                  int64_t first_position, int64_t position_step);
+
+// One sequence's view of the cache: its logical key slots 0..capacity-1, whatever the physical storage
+// (dense row, cache_batch_idx, or paged blocks) is.
+struct KvCacheSequence {
+  int64_t seqlen_q = 0;
+  std::vector<double> q;                 // [seqlen_q][nheads][headdim]
+  int64_t capacity = 0;                  // key slots of this sequence's cache
+  std::vector<double> k_cache, v_cache;  // [capacity][nheads_k][headdim(_v)]; updated by the append
+  int64_t cache_len = 0;                 // keys already in the cache (cache_seqlens[b])
+  int64_t leftpad = 0;                   // the sequence's keys start at this slot (cache_leftpad[b])
+  int64_t seqlen_new = 0;
+  std::vector<double> k_new, v_new;      // [seqlen_new][nheads_k][headdim(_v)]; empty when seqlen_new = 0
+};
+
+// Appends k_new/v_new (k_new rotated) at slot cache_len, rotates q, then attends to the keys in slots
+// [leftpad, cache_len + seqlen_new). Rotary positions count from leftpad: slot s has position s - leftpad;
+// k_new row t sits at position p + t with p = cache_len - leftpad; query i uses row p + i when the mask is
+// causal or windowed, else row p.
+ForwardResult kvcache(const Dims& dims, const Options& opts, const Rotary& rotary, KvCacheSequence& seq,
+                      RoundFn round = nullptr);
+
+}  // namespace flare::reference
