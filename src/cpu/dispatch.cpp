@@ -1,6 +1,10 @@
 // dispatch.cpp — the CPU backend's entry points: picks the SIMD level once per process, secures scratch
 // (the caller's workspace or one allocation) before anything is written, and runs the pass.
 #include <omp.h>
+#if defined(__linux__)
+#  include <sys/syscall.h>
+#  include <unistd.h>
+#endif
 
 #include <cstdlib>
 #include <cstring>
@@ -25,11 +29,23 @@ struct Kernels {
   void (*backward)(const Problem&, void*, int);
 };
 
+constexpr Kernels kAmx{"amx", amx::forward_scratch, amx::forward, amx::backward_scratch, amx::backward};
 constexpr Kernels kAvx512{"avx512", avx512::forward_scratch, avx512::forward, avx512::backward_scratch,
                           avx512::backward};
 constexpr Kernels kAvx2{"avx2", avx2::forward_scratch, avx2::forward, avx2::backward_scratch, avx2::backward};
 constexpr Kernels kGeneric{"generic", generic::forward_scratch, generic::forward, generic::backward_scratch,
                            generic::backward};
+
+// Linux hands out the AMX tile state only on request, once per process.
+bool request_amx_permission() {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+  constexpr long kArchReqXcompPerm = 0x1023;
+  constexpr long kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
 
 // The best level the processor supports, lowered by FLARE_CPU_ISA if set (never raised).
 const Kernels& select_kernels() {
@@ -41,6 +57,7 @@ const Kernels& select_kernels() {
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
       __builtin_cpu_supports("avx512bf16"))
     level = 2;
+  if (level == 2 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16")) level = 3;
 #endif
   if (const char* forced = std::getenv("FLARE_CPU_ISA")) {
     int wanted = level;
@@ -49,7 +66,13 @@ const Kernels& select_kernels() {
     if (std::strcmp(forced, "avx512") == 0) wanted = 2;
     level = wanted < level ? wanted : level;
   }
-  return level == 2 ? kAvx512 : level == 1 ? kAvx2 : kGeneric;
+  if (level == 3 && !request_amx_permission()) level = 2;
+  switch (level) {
+    case 3: return kAmx;
+    case 2: return kAvx512;
+    case 1: return kAvx2;
+    default: return kGeneric;
+  }
 }
 
 const Kernels& kernels() {

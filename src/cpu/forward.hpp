@@ -79,6 +79,51 @@ inline void pack_key_block(const Problem& p, const RowPtr& krows, const RowPtr& 
   }
 }
 
+// Online softmax over one block of a row: s (n scores, n a multiple of W) becomes exp(s - m'), the running
+// max m and sum l are updated, and the factor the row's accumulator must be scaled by is returned
+// (exp(m - m'), or 1 while the row has seen no visible key; such a row's p is all 0).
+template <class T>
+inline T online_softmax_row(T* s, int64_t n, T& m, T& l) {
+  using V = vec_t<T>;
+  constexpr int W = Simd<T>::W;
+  V mx = vload(s);
+  for (int64_t c = W; c < n; c += W) mx = vmax(mx, vload(s + c));
+  const T m_new = smax(m, hmax(mx));
+  if (m_new == static_cast<T>(kNegInf)) {
+    for (int64_t c = 0; c < n; c += W) vstore(s + c, V{});
+    return T(1);
+  }
+  const T alpha = m == static_cast<T>(kNegInf) ? T(0) : static_cast<T>(std::exp(m - m_new));
+  V sum{};
+  for (int64_t c = 0; c < n; c += W) {
+    const V e = vexp(vload(s + c) - m_new);
+    sum += e;
+    vstore(s + c, e);
+  }
+  l = l * alpha + hsum(sum);
+  m = m_new;
+  return alpha;
+}
+
+template <class T>
+inline void scale_row(T* x, int64_t n, T factor) {
+  constexpr int W = Simd<T>::W;
+  for (int64_t c = 0; c < n; c += W) vstore(x + c, vload(x + c) * factor);
+}
+
+// Writes out = o / l (0 where the row saw no key) and lse = m + log l (-inf there) for rows [i0, i0 + rows).
+template <class T>
+inline void finish_rows(const Problem& p, T* o, int64_t ldo, const T* m, const T* l, int64_t rows,
+                        const RowPtr& orows, float* lse, int64_t i0) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const bool empty = l[r] == T(0);
+    T* orow = o + r * ldo;
+    if (empty) for (int64_t c = 0; c < p.headdim_v; ++c) orow[c] = T(0);
+    store_row<T>(orow, empty ? T(0) : T(1) / l[r], orows.row(i0 + r), p.dtype, p.headdim_v);
+    if (lse) lse[i0 + r] = empty ? kNegInf : static_cast<float>(m[r] + std::log(l[r]));
+  }
+}
+
 // One query tile [i0, i0 + kBq) of head h against every visible key block.
 template <class T>
 inline void forward_tile(const Problem& p, const Sequence& seq, int64_t h, int64_t i0,
@@ -86,7 +131,7 @@ inline void forward_tile(const Problem& p, const Sequence& seq, int64_t h, int64
   using V = vec_t<T>;
   constexpr int W = Simd<T>::W;
   constexpr int64_t Bq = ForwardTiles<T>::kBq, Bk = ForwardTiles<T>::kBk;
-  const int64_t d = p.headdim, dv = p.headdim_v, dp = ws.dp, dvp = ws.dvp;
+  const int64_t d = p.headdim, dp = ws.dp, dvp = ws.dvp;
   const int64_t rows = smin(Bq, seq.seqlen_q - i0);
   const policy::WindowMask mask = seq.mask(p);
   const RowPtr qrows = query_rows(p, p.q, seq, h);
@@ -118,67 +163,57 @@ inline void forward_tile(const Problem& p, const Sequence& seq, int64_t h, int64
   for (int64_t kb = first / Bk; first <= last && kb <= last / Bk; ++kb) {
     const int64_t j0 = kb * Bk;
     gemm_tile<T, false>(Bq, Bk, d, t.q, dp, ws.kt + kb * Bk * d, Bk, t.s, Bk);
-    // Skip the shaping when every row of the tile sees the whole block and nothing else shapes scores.
-    const policy::KeyRange top = mask.keys_of(i0), bottom = mask.keys_of(i0 + rows - 1);
-    const bool full = top.first <= j0 && bottom.first <= j0 && smin(top.last, bottom.last) >= j0 + Bk - 1 &&
-                      j0 + Bk <= seq.seqlen_k;
-    if (!plain || !full) shape_scores<T>(t.s, Bk, rows, Bk, i0, j0, mask, shape, nullptr);
+    if (!plain || !block_fully_visible(mask, i0, rows, j0, Bk))
+      shape_scores<T>(t.s, Bk, rows, Bk, i0, j0, mask, shape, nullptr);
     for (int64_t r = 0; r < rows; ++r) {
-      T* srow = t.s + r * Bk;
-      V mx = vload(srow);
-      for (int64_t c = W; c < Bk; c += W) mx = vmax(mx, vload(srow + c));
-      const T m_new = smax(t.m[r], hmax(mx));
-      if (m_new == static_cast<T>(kNegInf)) {  // nothing visible yet in this row
-        for (int64_t c = 0; c < Bk; c += W) vstore(srow + c, V{});
-        continue;
-      }
-      const T alpha = t.m[r] == static_cast<T>(kNegInf) ? T(0) : static_cast<T>(std::exp(t.m[r] - m_new));
-      V sum{};
-      for (int64_t c = 0; c < Bk; c += W) {
-        const V e = vexp(vload(srow + c) - m_new);
-        sum += e;
-        vstore(srow + c, e);
-      }
-      t.l[r] = t.l[r] * alpha + hsum(sum);
-      t.m[r] = m_new;
-      if (alpha != T(1)) {
-        T* orow = t.o + r * dvp;
-        for (int64_t c = 0; c < dvp; c += W) vstore(orow + c, vload(orow + c) * alpha);
-      }
+      const T alpha = online_softmax_row<T>(t.s + r * Bk, Bk, t.m[r], t.l[r]);
+      if (alpha != T(1)) scale_row<T>(t.o + r * dvp, dvp, alpha);
     }
     for (int64_t r = rows; r < Bq; ++r)
       for (int64_t c = 0; c < Bk; c += W) vstore(t.s + r * Bk + c, V{});
     gemm_tile<T, true>(Bq, dvp, Bk, t.s, Bk, ws.v + kb * Bk * dvp, dvp, t.o, dvp);
   }
 
-  for (int64_t r = 0; r < rows; ++r) {
-    const bool empty = t.l[r] == T(0);
-    const T inv = empty ? T(0) : T(1) / t.l[r];
-    if (empty) for (int64_t c = 0; c < dv; ++c) t.o[r * dvp + c] = T(0);
-    store_row<T>(t.o + r * dvp, inv, orows.row(i0 + r), p.dtype, dv);
-    if (lse) lse[i0 + r] = empty ? kNegInf : static_cast<float>(t.m[r] + std::log(t.l[r]));
-  }
+  finish_rows<T>(p, t.o, dvp, t.m, t.l, rows, orows, lse, i0);
 }
 
+// The fp32/fp64 FMA engine: what run_forward needs from a compute path.
 template <class T>
+struct FmaForward {
+  using Scratch = ForwardScratch<T>;
+  static constexpr int64_t kBq = ForwardTiles<T>::kBq, kBk = ForwardTiles<T>::kBk;
+  static void thread_begin() {}
+  static void thread_end() {}
+  static void pack(const Problem& p, const RowPtr& k, const RowPtr& v, int64_t seqlen_k, int64_t kb, Scratch& ws,
+                   int tid) {
+    pack_key_block<T>(p, k, v, seqlen_k, kb, ws, ws.threads[tid].q);
+  }
+  static void tile(const Problem& p, const Sequence& seq, int64_t h, int64_t i0, const Scratch& ws, int tid) {
+    forward_tile<T>(p, seq, h, i0, ws, ws.threads[tid]);
+  }
+};
+
+template <class Engine>
 inline size_t forward_scratch_bytes(const Problem& p, int nt) {
   Arena a;
-  ForwardScratch<T> ws;
+  typename Engine::Scratch ws;
   ws.layout(a, p, nt);
   return a.used();
 }
 
-template <class T>
-inline void forward_impl(const Problem& p, void* scratch, int nt) {
-  constexpr int64_t Bq = ForwardTiles<T>::kBq, Bk = ForwardTiles<T>::kBk;
+// Per (sequence, kv head) group: pack the keys once, then spread query heads x query tiles over threads.
+template <class Engine>
+inline void run_forward(const Problem& p, void* scratch, int nt) {
+  constexpr int64_t Bq = Engine::kBq, Bk = Engine::kBk;
   Arena arena(scratch);
-  ForwardScratch<T> ws;
+  typename Engine::Scratch ws;
   ws.layout(arena, p, nt);
   const int64_t group = p.nheads / p.nheads_k;
 
 #pragma omp parallel num_threads(nt)
   {
-    const auto& mine = ws.threads[omp_get_thread_num()];
+    const int tid = omp_get_thread_num();
+    Engine::thread_begin();
     for (int64_t b = 0; b < p.batch; ++b) {
       const Sequence seq = sequence_of(p, b);
       if (seq.seqlen_q == 0) continue;
@@ -186,15 +221,16 @@ inline void forward_impl(const Problem& p, void* scratch, int nt) {
       for (int64_t hk = 0; hk < p.nheads_k; ++hk) {
         const RowPtr krows = key_rows(p, p.k, seq, hk), vrows = key_rows(p, p.v, seq, hk);
 #pragma omp for schedule(static)
-        for (int64_t kb = 0; kb < nkb; ++kb) pack_key_block<T>(p, krows, vrows, seq.seqlen_k, kb, ws, mine.q);
+        for (int64_t kb = 0; kb < nkb; ++kb) Engine::pack(p, krows, vrows, seq.seqlen_k, kb, ws, tid);
         // Tiles near the end of a causal sequence see the most keys: hand them out first.
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < group * nqt; ++task) {
           const int64_t qt = nqt - 1 - task / group;
-          forward_tile<T>(p, seq, hk * group + task % group, qt * Bq, ws, mine);
+          Engine::tile(p, seq, hk * group + task % group, qt * Bq, ws, tid);
         }
       }
     }
+    Engine::thread_end();
   }
 }
 

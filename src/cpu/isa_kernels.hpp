@@ -13,6 +13,7 @@
   void backward(const detail::Problem& p, void* scratch, int threads);           \
   }
 
+FLARE_DECLARE_ISA_KERNELS(amx)
 FLARE_DECLARE_ISA_KERNELS(avx512)
 FLARE_DECLARE_ISA_KERNELS(avx2)
 FLARE_DECLARE_ISA_KERNELS(generic)

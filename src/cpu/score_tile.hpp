@@ -13,6 +13,12 @@ struct ScoreShape {
   bool alibi = false;
 };
 
+// Whether every query in [i0, i0 + rows) sees every key in [j0, j0 + n): then only the softmax is needed.
+inline bool block_fully_visible(const policy::WindowMask& mask, int64_t i0, int64_t rows, int64_t j0, int64_t n) {
+  // Ranges slide monotonically with i: the last row has the largest first key, the first row the smallest last.
+  return mask.keys_of(i0 + rows - 1).first <= j0 && mask.keys_of(i0).last >= j0 + n - 1;
+}
+
 // s: rows x cols (cols a multiple of W) with leading dimension ld; row r is query i0 + r, column c is key
 // j0 + c. Masked entries become -inf. With softcap, tanh_out (same layout) receives tanh(raw / softcap) for
 // the backward pass's derivative (may be null).
