@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Turns a bench_cpu.py result (bench/results/cpu-<date>.json) into markdown for docs/performance-cpu.md.
+
+  python3 bench/cpu/make_table.py bench/results/cpu-2026-12-01.json >> docs/performance-cpu.md
+
+Prints: a line on where the figures come from (date, commit, device, ceilings), the timing table
+(one line per pass, dtype, headdim, causal, seqlen; flare, torch-cpu and naive ms; torch/flare > 1 means
+flare is faster) and the memory table (rows that carry peak_mib).
+"""
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+
+PASS_ORDER = {"fwd": 0, "bwd": 1}
+
+
+def fmt_ms(row):
+    if row is None:
+        return "-"
+    if row.get("ms") is None:
+        return "skipped" if "skipped" in row else "-"
+    ms = row["ms"]
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.2f}"
+
+
+def is_memory_row(row):
+    return "peak_mib" in row or "peak_mib_needed" in row
+
+
+def shape_key(row):
+    return (PASS_ORDER.get(row["pass"], 9), row["pass"], row["dtype"], row["headdim"], row["causal"],
+            row["seqlen_q"], row["seqlen_k"], row["batch"], row["nheads"])
+
+
+def timing_table(rows):
+    groups = defaultdict(dict)
+    for row in rows:
+        if not is_memory_row(row):
+            groups[shape_key(row)][row["impl"]] = row
+    lines = ["| pass | dtype | hd | causal | seqlen | batch x heads | flare ms | torch ms | torch/flare "
+             "| naive ms | flare GFLOP/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key in sorted(groups):
+        _, pass_, dtype, hd, causal, sq, sk, batch, nheads = key
+        impls = groups[key]
+        flare, torch_, naive = impls.get("flare"), impls.get("torch-cpu"), impls.get("naive")
+        ratio = gflops = "-"
+        if flare and flare.get("ms") and torch_ and torch_.get("ms"):
+            ratio = f"{torch_['ms'] / flare['ms']:.2f}"
+        if flare and flare.get("tflops") is not None:
+            gflops = f"{flare['tflops'] * 1e3:.1f}"
+        seqlen = str(sq) if sq == sk else f"{sq}/{sk}"
+        lines.append(f"| {pass_} | {dtype} | {hd} | {'yes' if causal else 'no'} | {seqlen} | {batch} x {nheads} "
+                     f"| {fmt_ms(flare)} | {fmt_ms(torch_)} | {ratio} | {fmt_ms(naive)} | {gflops} |")
+    return lines
+
+
+def memory_table(rows):
+    mem = [r for r in rows if is_memory_row(r)]
+    if not mem:
+        return []
+    lines = ["| impl | pass | dtype | causal | batch x heads x hd | seqlen | ms | peak extra memory |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in mem:
+        if "peak_mib" in r:
+            peak = f"{r['peak_mib']:.1f} MiB"
+        else:
+            peak = f"not run: {r.get('skipped', 'skipped')}"
+        lines.append(f"| {r['impl']} | {r['pass']} | {r['dtype']} | {'yes' if r['causal'] else 'no'} "
+                     f"| {r['batch']} x {r['nheads']} x {r['headdim']} | {r['seqlen_q']} | {fmt_ms(r)} | {peak} |")
+    return lines
+
+
+def source_line(meta):
+    ceilings = meta.get("ceilings") or {}
+    parts = [f"{k} {v}" for k, v in ceilings.items()]
+    dirty = " (with uncommitted changes)" if meta.get("dirty") else ""
+    text = (f"Measured {meta.get('date', '?')} at commit `{str(meta.get('commit', '?'))[:12]}`{dirty} on "
+            f"{meta.get('device', '?')}, {meta.get('threads', '?')} threads, flare CPU ISA "
+            f"{meta.get('flare_cpu_isa', '?')}, torch {meta.get('torch', '?')}. "
+            f"Command: `{meta.get('command', '?')}`.")
+    if parts:
+        text += " Ceilings (tools/fma_peak): " + ", ".join(parts) + " GFLOP/s."
+    if meta.get("shapes"):
+        text += f" Shapes: {meta['shapes']}."
+    return text
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("result", help="a bench/results/cpu-*.json file")
+    args = p.parse_args()
+    with open(args.result) as f:
+        data = json.load(f)
+    out = [source_line(data["meta"]), "", *timing_table(data["rows"])]
+    mem = memory_table(data["rows"])
+    if mem:
+        out += ["", *mem]
+    sys.stdout.write("\n".join(out) + "\n")
+
+
+if __name__ == "__main__":
+    main()
