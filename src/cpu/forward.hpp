@@ -1,7 +1,9 @@
 // forward.hpp — the CPU forward pass: tiles of queries against blocks of keys with online softmax.
 //
 // For each (sequence, kv head) group the keys are packed once (K transposed into per-block panels, V padded)
-// in the compute type; then the group's query heads x query tiles are spread over the threads. A tile keeps
+// in the compute type; then the group's query heads x query tiles run over it. With many groups each thread
+// takes whole groups (private packs, no barriers); with few, all threads share one group's pack and split its
+// query heads x query tiles (see use_private_groups). A tile keeps
 // its output accumulator, running max m and running sum l; per key block:
 //   S = Q K^T (scaled Q)  ->  softcap / ALiBi / mask  ->  m' = max(m, rowmax S), P = exp(S - m'),
 //   l = l * exp(m - m') + rowsum P,  O = O * exp(m - m') + P V.
@@ -29,12 +31,17 @@ inline int64_t max_keys(const Problem& p) {
   return p.pass == Pass::kKvCache ? p.seqlen_cache : p.seqlen_k;
 }
 
+// Whether each thread takes whole (sequence, kv head) groups with packs of its own, rather than all threads
+// sharing one group at a time: chosen when there are enough groups to keep every thread busy. Private groups
+// need no barriers, and their results do not depend on the thread count.
+inline bool use_private_groups(const Problem& p, int nt) { return nt == 1 || p.batch * p.nheads_k >= 4 * nt; }
+
 template <class T>
 struct ForwardScratch {
-  int64_t dp = 0, dvp = 0, nkb = 0;  // padded head dims, key blocks
-  T* kt = nullptr;                   // nkb panels of (headdim x kBk)
-  T* v = nullptr;                    // (nkb * kBk) x dvp
+  int64_t dp = 0, dvp = 0;  // head dims padded to the vector width
   struct PerThread {
+    T* kt;  // the key pack in use (shared or private): per block a (headdim x kBk) K^T panel
+    T* v;   // and (kBk x dvp) V rows
     T *q, *s, *o, *m, *l;
   };
   PerThread* threads = nullptr;
@@ -44,13 +51,14 @@ struct ForwardScratch {
     constexpr int W = Simd<T>::W;
     dp = round_up(p.headdim, W);
     dvp = round_up(p.headdim_v, W);
-    nkb = (max_keys(p) + Tiles::kBk - 1) / Tiles::kBk;
-    kt = a.take<T>(nkb * Tiles::kBk * p.headdim);
-    v = a.take<T>(nkb * Tiles::kBk * dvp);
+    const int64_t keys = round_up(max_keys(p), Tiles::kBk);
+    const int packs = use_private_groups(p, nt) ? nt : 1;
     threads = a.take<PerThread>(nt);
     for (int t = 0; t < nt; ++t) {
-      PerThread pt{a.take<T>(Tiles::kBq * dp), a.take<T>(Tiles::kBq * Tiles::kBk), a.take<T>(Tiles::kBq * dvp),
-                   a.take<T>(Tiles::kBq), a.take<T>(Tiles::kBq)};
+      T* kt = t < packs ? a.take<T>(keys * p.headdim) : threads ? threads[0].kt : nullptr;
+      T* v = t < packs ? a.take<T>(keys * dvp) : threads ? threads[0].v : nullptr;
+      PerThread pt{kt, v, a.take<T>(Tiles::kBq * dp), a.take<T>(Tiles::kBq * Tiles::kBk),
+                   a.take<T>(Tiles::kBq * dvp), a.take<T>(Tiles::kBq), a.take<T>(Tiles::kBq)};
       if (threads) threads[t] = pt;
     }
   }
@@ -59,11 +67,12 @@ struct ForwardScratch {
 // Packs keys [j0, j0 + kBk) of one kv head: K^T panel (headdim x kBk) and V rows (kBk x dvp), zero-padded.
 template <class T>
 inline void pack_key_block(const Problem& p, const RowPtr& krows, const RowPtr& vrows, int64_t seqlen_k,
-                           int64_t kb, ForwardScratch<T>& ws, T* row_buf) {
+                           int64_t kb, const ForwardScratch<T>& ws, const typename ForwardScratch<T>::PerThread& t) {
   constexpr int64_t Bk = ForwardTiles<T>::kBk;
   const int64_t d = p.headdim, dv = p.headdim_v;
-  T* panel = ws.kt + kb * Bk * d;
-  T* vblock = ws.v + kb * Bk * ws.dvp;
+  T* panel = t.kt + kb * Bk * d;
+  T* vblock = t.v + kb * Bk * ws.dvp;
+  T* row_buf = t.q;
   for (int64_t jj = 0; jj < Bk; ++jj) {
     const int64_t j = kb * Bk + jj;
     T* vr = vblock + jj * ws.dvp;
@@ -162,7 +171,7 @@ inline void forward_tile(const Problem& p, const Sequence& seq, int64_t h, int64
 
   for (int64_t kb = first / Bk; first <= last && kb <= last / Bk; ++kb) {
     const int64_t j0 = kb * Bk;
-    gemm_tile<T, false>(Bq, Bk, d, t.q, dp, ws.kt + kb * Bk * d, Bk, t.s, Bk);
+    gemm_tile<T, false>(Bq, Bk, d, t.q, dp, t.kt + kb * Bk * d, Bk, t.s, Bk);
     if (!plain || !block_fully_visible(mask, i0, rows, j0, Bk))
       shape_scores<T>(t.s, Bk, rows, Bk, i0, j0, mask, shape, nullptr);
     for (int64_t r = 0; r < rows; ++r) {
@@ -171,7 +180,7 @@ inline void forward_tile(const Problem& p, const Sequence& seq, int64_t h, int64
     }
     for (int64_t r = rows; r < Bq; ++r)
       for (int64_t c = 0; c < Bk; c += W) vstore(t.s + r * Bk + c, V{});
-    gemm_tile<T, true>(Bq, dvp, Bk, t.s, Bk, ws.v + kb * Bk * dvp, dvp, t.o, dvp);
+    gemm_tile<T, true>(Bq, dvp, Bk, t.s, Bk, t.v + kb * Bk * dvp, dvp, t.o, dvp);
   }
 
   finish_rows<T>(p, t.o, dvp, t.m, t.l, rows, orows, lse, i0);
@@ -184,9 +193,9 @@ struct FmaForward {
   static constexpr int64_t kBq = ForwardTiles<T>::kBq, kBk = ForwardTiles<T>::kBk;
   static void thread_begin() {}
   static void thread_end() {}
-  static void pack(const Problem& p, const RowPtr& k, const RowPtr& v, int64_t seqlen_k, int64_t kb, Scratch& ws,
-                   int tid) {
-    pack_key_block<T>(p, k, v, seqlen_k, kb, ws, ws.threads[tid].q);
+  static void pack(const Problem& p, const RowPtr& k, const RowPtr& v, int64_t seqlen_k, int64_t kb,
+                   const Scratch& ws, int tid) {
+    pack_key_block<T>(p, k, v, seqlen_k, kb, ws, ws.threads[tid]);
   }
   static void tile(const Problem& p, const Sequence& seq, int64_t h, int64_t i0, const Scratch& ws, int tid) {
     forward_tile<T>(p, seq, h, i0, ws, ws.threads[tid]);
@@ -201,7 +210,7 @@ inline size_t forward_scratch_bytes(const Problem& p, int nt) {
   return a.used();
 }
 
-// Per (sequence, kv head) group: pack the keys once, then spread query heads x query tiles over threads.
+// Per (sequence, kv head) group: pack the keys once, then run the group's query heads x query tiles.
 template <class Engine>
 inline void run_forward(const Problem& p, void* scratch, int nt) {
   constexpr int64_t Bq = Engine::kBq, Bk = Engine::kBk;
@@ -209,24 +218,40 @@ inline void run_forward(const Problem& p, void* scratch, int nt) {
   typename Engine::Scratch ws;
   ws.layout(arena, p, nt);
   const int64_t group = p.nheads / p.nheads_k;
+  const bool private_groups = use_private_groups(p, nt);
 
 #pragma omp parallel num_threads(nt)
   {
     const int tid = omp_get_thread_num();
     Engine::thread_begin();
-    for (int64_t b = 0; b < p.batch; ++b) {
-      const Sequence seq = sequence_of(p, b);
-      if (seq.seqlen_q == 0) continue;
-      const int64_t nkb = (seq.seqlen_k + Bk - 1) / Bk, nqt = (seq.seqlen_q + Bq - 1) / Bq;
-      for (int64_t hk = 0; hk < p.nheads_k; ++hk) {
-        const RowPtr krows = key_rows(p, p.k, seq, hk), vrows = key_rows(p, p.v, seq, hk);
+    if (private_groups) {
+#pragma omp for schedule(dynamic, 1) collapse(2)
+      for (int64_t b = 0; b < p.batch; ++b) {
+        for (int64_t hk = 0; hk < p.nheads_k; ++hk) {
+          const Sequence seq = sequence_of(p, b);
+          if (seq.seqlen_q == 0) continue;
+          const int64_t nkb = (seq.seqlen_k + Bk - 1) / Bk, nqt = (seq.seqlen_q + Bq - 1) / Bq;
+          const RowPtr krows = key_rows(p, p.k, seq, hk), vrows = key_rows(p, p.v, seq, hk);
+          for (int64_t kb = 0; kb < nkb; ++kb) Engine::pack(p, krows, vrows, seq.seqlen_k, kb, ws, tid);
+          for (int64_t task = 0; task < group * nqt; ++task)
+            Engine::tile(p, seq, hk * group + task % group, task / group * Bq, ws, tid);
+        }
+      }
+    } else {
+      for (int64_t b = 0; b < p.batch; ++b) {
+        const Sequence seq = sequence_of(p, b);
+        if (seq.seqlen_q == 0) continue;
+        const int64_t nkb = (seq.seqlen_k + Bk - 1) / Bk, nqt = (seq.seqlen_q + Bq - 1) / Bq;
+        for (int64_t hk = 0; hk < p.nheads_k; ++hk) {
+          const RowPtr krows = key_rows(p, p.k, seq, hk), vrows = key_rows(p, p.v, seq, hk);
 #pragma omp for schedule(static)
-        for (int64_t kb = 0; kb < nkb; ++kb) Engine::pack(p, krows, vrows, seq.seqlen_k, kb, ws, tid);
-        // Tiles near the end of a causal sequence see the most keys: hand them out first.
+          for (int64_t kb = 0; kb < nkb; ++kb) Engine::pack(p, krows, vrows, seq.seqlen_k, kb, ws, tid);
+          // Tiles near the end of a causal sequence see the most keys: hand them out first.
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < group * nqt; ++task) {
-          const int64_t qt = nqt - 1 - task / group;
-          Engine::tile(p, seq, hk * group + task % group, qt * Bq, ws, tid);
+          for (int64_t task = 0; task < group * nqt; ++task) {
+            const int64_t qt = nqt - 1 - task / group;
+            Engine::tile(p, seq, hk * group + task % group, qt * Bq, ws, tid);
+          }
         }
       }
     }

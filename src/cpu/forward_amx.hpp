@@ -60,9 +60,9 @@ struct AmxForward {
 
   struct Scratch {
     int64_t dpad = 0, dvpad = 0, nchunks = 0, ncol16 = 0;
-    uint16_t* kpack = nullptr;  // per key block: (kBk / 16) key groups x nchunks tiles
-    uint16_t* vpack = nullptr;  // per key block: (kBk / 32) key chunks x ncol16 tiles
     struct PerThread {
+      uint16_t* kpack;  // the key pack in use: per key block (kBk / 16) key groups x nchunks tiles
+      uint16_t* vpack;  // and (kBk / 32) key chunks x ncol16 tiles
       uint16_t* q;
       float* s;
       uint16_t* p;
@@ -78,11 +78,14 @@ struct AmxForward {
       nchunks = dpad / 32;
       ncol16 = dvpad / 16;
       const int64_t nkb = (max_keys(pr) + kBk - 1) / kBk;
-      kpack = a.take<uint16_t>(nkb * (kBk / 16) * nchunks * kTileElems);
-      vpack = a.take<uint16_t>(nkb * (kBk / 32) * ncol16 * kTileElems);
+      const int packs = use_private_groups(pr, nt) ? nt : 1;
       threads = a.take<PerThread>(nt);
       for (int t = 0; t < nt; ++t) {
-        PerThread pt{a.take<uint16_t>(kBq * dpad), a.take<float>(kBq * kBk), a.take<uint16_t>(kBq * kBk),
+        uint16_t* kp = t < packs ? a.take<uint16_t>(nkb * (kBk / 16) * nchunks * kTileElems)
+                                 : threads ? threads[0].kpack : nullptr;
+        uint16_t* vp = t < packs ? a.take<uint16_t>(nkb * (kBk / 32) * ncol16 * kTileElems)
+                                 : threads ? threads[0].vpack : nullptr;
+        PerThread pt{kp, vp, a.take<uint16_t>(kBq * dpad), a.take<float>(kBq * kBk), a.take<uint16_t>(kBq * kBk),
                      a.take<float>(kBq * dvpad), a.take<float>(kBq), a.take<float>(kBq)};
         if (threads) threads[t] = pt;
       }
@@ -93,15 +96,16 @@ struct AmxForward {
   static void thread_end() { _tile_release(); }
 
   static void pack(const Problem& p, const RowPtr& krows, const RowPtr& vrows, int64_t seqlen_k, int64_t kb,
-                   Scratch& ws, int) {
+                   const Scratch& ws, int tid) {
     const int64_t d = p.headdim, dv = p.headdim_v;
+    const auto& t = ws.threads[tid];
     // K: tile (group g, chunk c) holds [pair r][key n][2] = K[key g*16+n][c*32 + 2r + e].
     for (int64_t g = 0; g < kBk / 16; ++g) {
       for (int64_t n = 0; n < 16; ++n) {
         const int64_t j = kb * kBk + g * 16 + n;
         const uint16_t* src = j < seqlen_k ? reinterpret_cast<const uint16_t*>(krows.row(j)) : nullptr;
         for (int64_t c = 0; c < ws.nchunks; ++c) {
-          uint16_t* tile = ws.kpack + ((kb * (kBk / 16) + g) * ws.nchunks + c) * kTileElems;
+          uint16_t* tile = t.kpack + ((kb * (kBk / 16) + g) * ws.nchunks + c) * kTileElems;
           for (int64_t e = 0; e < 32; ++e) {
             const int64_t col = c * 32 + e;
             tile[(e / 2 * 16 + n) * 2 + e % 2] = (src && col < d) ? src[col] : uint16_t(0);
@@ -115,7 +119,7 @@ struct AmxForward {
         const int64_t j = kb * kBk + c * 32 + kk;
         const uint16_t* src = j < seqlen_k ? reinterpret_cast<const uint16_t*>(vrows.row(j)) : nullptr;
         for (int64_t cg = 0; cg < ws.ncol16; ++cg) {
-          uint16_t* tile = ws.vpack + ((kb * (kBk / 32) + c) * ws.ncol16 + cg) * kTileElems;
+          uint16_t* tile = t.vpack + ((kb * (kBk / 32) + c) * ws.ncol16 + cg) * kTileElems;
           for (int64_t n = 0; n < 16; ++n) {
             const int64_t col = cg * 16 + n;
             tile[(kk / 2 * 16 + n) * 2 + kk % 2] = (src && col < dv) ? src[col] : uint16_t(0);
@@ -162,7 +166,7 @@ struct AmxForward {
           tile_zero<kC01>();
           tile_zero<kC10>();
           tile_zero<kC11>();
-          const uint16_t* b0 = ws.kpack + (kb * (kBk / 16) + cb * 2) * ws.nchunks * kTileElems;
+          const uint16_t* b0 = t.kpack + (kb * (kBk / 16) + cb * 2) * ws.nchunks * kTileElems;
           const uint16_t* b1 = b0 + ws.nchunks * kTileElems;
           for (int64_t c = 0; c < ws.nchunks; ++c) {
             tile_load<kA0>(t.q + rb * 32 * dpad + c * 32, dpad * 2);
@@ -207,7 +211,7 @@ struct AmxForward {
           tile_load<kC10>(o + 16 * dvpad, dvpad * 4);
           tile_load<kC11>(o + 16 * dvpad + 16, dvpad * 4);
           for (int64_t c = 0; c < kBk / 32; ++c) {
-            const uint16_t* b0 = ws.vpack + ((kb * (kBk / 32) + c) * ws.ncol16 + cb * 2) * kTileElems;
+            const uint16_t* b0 = t.vpack + ((kb * (kBk / 32) + c) * ws.ncol16 + cb * 2) * kTileElems;
             tile_load<kA0>(t.p + rb * 32 * kBk + c * 32, kBk * 2);
             tile_load<kA1>(t.p + (rb * 32 + 16) * kBk + c * 32, kBk * 2);
             tile_load<kB0>(b0, 64);
