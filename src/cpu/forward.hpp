@@ -88,26 +88,27 @@ inline void pack_key_block(const Problem& p, const RowPtr& krows, const RowPtr& 
   }
 }
 
-// Online softmax over one block of a row: s (n scores, n a multiple of W) becomes exp(s - m'), the running
-// max m and sum l are updated, and the factor the row's accumulator must be scaled by is returned
-// (exp(m - m'), or 1 while the row has seen no visible key; such a row's p is all 0).
-template <class T>
-inline T online_softmax_row(T* s, int64_t n, T& m, T& l) {
+// Online softmax over one block of a row. The row's scores are scale * s[c] (scale > 0, so the max can be
+// taken before scaling); emit(c, p) receives p = exp(scale * s - m') for each vector at column c, the
+// running max m and sum l are updated, and the factor the row's accumulator must be multiplied by is
+// returned: exp(m - m'), or 1 while the row has seen no visible key (its p are then all 0).
+template <class T, class Emit>
+inline T online_softmax_row(const T* s, int64_t n, T scale, T& m, T& l, Emit emit) {
   using V = vec_t<T>;
   constexpr int W = Simd<T>::W;
   V mx = vload(s);
   for (int64_t c = W; c < n; c += W) mx = vmax(mx, vload(s + c));
-  const T m_new = smax(m, hmax(mx));
+  const T m_new = smax(m, hmax(mx) * scale);
   if (m_new == static_cast<T>(kNegInf)) {
-    for (int64_t c = 0; c < n; c += W) vstore(s + c, V{});
+    for (int64_t c = 0; c < n; c += W) emit(c, V{});
     return T(1);
   }
   const T alpha = m == static_cast<T>(kNegInf) ? T(0) : static_cast<T>(std::exp(m - m_new));
   V sum{};
   for (int64_t c = 0; c < n; c += W) {
-    const V e = vexp(vload(s + c) - m_new);
+    const V e = vexp(vload(s + c) * scale - m_new);
     sum += e;
-    vstore(s + c, e);
+    emit(c, e);
   }
   l = l * alpha + hsum(sum);
   m = m_new;
@@ -175,7 +176,9 @@ inline void forward_tile(const Problem& p, const Sequence& seq, int64_t h, int64
     if (!plain || !block_fully_visible(mask, i0, rows, j0, Bk))
       shape_scores<T>(t.s, Bk, rows, Bk, i0, j0, mask, shape, nullptr);
     for (int64_t r = 0; r < rows; ++r) {
-      const T alpha = online_softmax_row<T>(t.s + r * Bk, Bk, t.m[r], t.l[r]);
+      T* srow = t.s + r * Bk;
+      const T alpha = online_softmax_row<T>(srow, Bk, T(1), t.m[r], t.l[r],
+                                            [srow](int64_t c, vec_t<T> e) { vstore(srow + c, e); });
       if (alpha != T(1)) scale_row<T>(t.o + r * dvp, dvp, alpha);
     }
     for (int64_t r = rows; r < Bq; ++r)

@@ -185,22 +185,25 @@ struct AmxForward {
           tile_store<kC11>(s + 16 * kBk + 16, kBk * 4);
         }
       }
-      for (int64_t r = 0; r < rows; ++r) scale_row<float>(t.s + r * kBk, kBk, scale);
-      if (!plain || !block_fully_visible(mask, i0, rows, j0, kBk))
+      // Plain, fully visible blocks fold the scale into the exponent; others are scaled and shaped first.
+      float row_scale = scale;
+      if (!plain || !block_fully_visible(mask, i0, rows, j0, kBk)) {
+        for (int64_t r = 0; r < rows; ++r) scale_row<float>(t.s + r * kBk, kBk, scale);
         shape_scores<float>(t.s, kBk, rows, kBk, i0, j0, mask, shape, nullptr);
+        row_scale = 1.0f;
+      }
       for (int64_t r = 0; r < row_blocks * 32; ++r) {
-        float* srow = t.s + r * kBk;
         uint16_t* prow = t.p + r * kBk;
-        if (r < rows) {
-          const float alpha = online_softmax_row<float>(srow, kBk, t.m[r], t.l[r]);
-          if (alpha != 1.0f) scale_row<float>(t.o + r * dvpad, dvpad, alpha);
-          for (int64_t c = 0; c < kBk; c += W) {
-            const __m256bh packed = _mm512_cvtneps_pbh(static_cast<__m512>(vload(srow + c)));
-            std::memcpy(prow + c, &packed, sizeof(packed));
-          }
-        } else {
+        if (r >= rows) {
           std::memset(prow, 0, kBk * sizeof(uint16_t));
+          continue;
         }
+        const float alpha = online_softmax_row<float>(t.s + r * kBk, kBk, row_scale, t.m[r], t.l[r],
+                                                      [prow](int64_t c, V e) {
+                                                        const __m256bh b = _mm512_cvtneps_pbh(static_cast<__m512>(e));
+                                                        std::memcpy(prow + c, &b, sizeof(b));
+                                                      });
+        if (alpha != 1.0f) scale_row<float>(t.o + r * dvpad, dvpad, alpha);
       }
       // O += P V, 32 x 32 at a time, accumulating through memory.
       for (int64_t rb = 0; rb < row_blocks; ++rb) {
