@@ -75,25 +75,26 @@ struct Options {
   Device device = Device::cpu;
 };
 
-void print_usage(const char* argv0) {
-  std::printf(
-      "usage: %s [options]\n"
-      "  --quick             small sizes (seqlen 256, 1024; 4 heads; headdim 64): a few seconds\n"
-      "  --seqlens A,B,...   sequence lengths (default 1024,4096,16384)\n"
-      "  --batch N           (default 1)\n"
-      "  --heads N           (default 8)\n"
-      "  --headdim N         (default 128)\n"
-      "  --dtypes LIST       fp32, bf16 or fp32,bf16 (default)\n"
-      "  --no-causal         full attention instead of causal\n"
-      "  --budget-gib X      run the naive way only if its score matrix fits in X GiB (default 4)\n"
-      "  --reps N            timed runs per variant after one warm-up (default 3; 1 for long runs)\n"
-      "  --device cpu|cuda   (default cpu; the demo's CUDA path is not written yet)\n",
-      argv0);
+void print_usage(std::FILE* to, const char* argv0) {
+  std::fprintf(to,
+               "usage: %s [options]\n"
+               "  --quick             small sizes (seqlen 256, 1024; 4 heads; headdim 64): a few seconds\n"
+               "  --seqlens A,B,...   sequence lengths (default 1024,4096,16384)\n"
+               "  --batch N           (default 1)\n"
+               "  --heads N           (default 8)\n"
+               "  --headdim N         (default 128)\n"
+               "  --dtypes LIST       fp32, bf16 or fp32,bf16 (default)\n"
+               "  --no-causal         full attention instead of causal\n"
+               "  --budget-gib X      run the naive way only if its score matrix fits in X GiB (default 4)\n"
+               "  --reps N            timed runs per variant after one warm-up (default 3; 1 for long runs)\n"
+               "  --device cpu|cuda   (default cpu; the demo's CUDA path is not written yet)\n"
+               "  --isa               print the CPU SIMD level flare uses here (flare_cpu_isa()) and exit\n",
+               argv0);
 }
 
 [[noreturn]] void usage_error(const char* argv0, const std::string& message) {
   std::fprintf(stderr, "flare_demo: %s\n", message.c_str());
-  print_usage(argv0);
+  print_usage(stderr, argv0);
   std::exit(2);
 }
 
@@ -132,7 +133,10 @@ Options parse_options(int argc, char** argv) {
       return argv[++i];
     };
     if (arg == "--help" || arg == "-h") {
-      print_usage(argv[0]);
+      print_usage(stdout, argv[0]);
+      std::exit(0);
+    } else if (arg == "--isa") {  // for scripts: which SIMD level would run here
+      std::printf("%s\n", flare_cpu_isa());
       std::exit(0);
     } else if (arg == "--quick") {
       o.quick = quick_sizes = true;
@@ -373,9 +377,9 @@ Row run_row(const Options& o, int64_t seqlen, Dtype dtype, uint64_t seed) {
 }
 
 void print_table(const std::vector<Row>& rows) {
-  std::printf("\n%7s %5s | %10s %8s %10s %8s | %11s %11s | %10s\n", "seqlen", "dtype", "flare ms", "GFLOP/s",
+  std::printf("\n%7s %5s | %10s %8s %10s %8s | %11s %15s | %10s\n", "seqlen", "dtype", "flare ms", "GFLOP/s",
               "naive ms", "speedup", "flare mem", "naive mem", "max|diff|");
-  std::printf("%s\n", std::string(98, '-').c_str());
+  std::printf("%s\n", std::string(102, '-').c_str());
   for (const Row& r : rows) {
     std::string flare_ms = "failed", gflops = "-", flare_mem = "-";
     if (r.flare.ok) {
@@ -403,7 +407,7 @@ void print_table(const std::vector<Row>& rows) {
       std::snprintf(buf, sizeof buf, "%.1e%s", r.max_abs_diff, r.mismatch ? " BAD" : "");
       diff = buf;
     }
-    std::printf("%7lld %5s | %10s %8s %10s %8s | %11s %11s | %10s\n",
+    std::printf("%7lld %5s | %10s %8s %10s %8s | %11s %15s | %10s\n",
                 static_cast<long long>(r.shape.seqlen_q), dtype_name(r.dtype), flare_ms.c_str(),
                 gflops.c_str(), naive_ms.c_str(), speedup.c_str(), flare_mem.c_str(), naive_mem.c_str(),
                 diff.c_str());

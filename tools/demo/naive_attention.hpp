@@ -4,7 +4,8 @@
 //   S[i][j] = -inf where causal masking hides key j from query i (bottom-right aligned)
 //   P = softmax(S) row-wise    in place
 //   O = P V
-// Written with plain loops (OpenMP over rows, compiler-vectorised inner loops), independently of flare.
+// Written with plain loops (OpenMP over blocks of query rows, compiler-vectorised inner loops),
+// independently of flare.
 #pragma once
 
 #include <cstddef>
