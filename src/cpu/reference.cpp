@@ -40,13 +40,15 @@ double resolved_scale(const Dims& dims, const Options& opts) {
 }
 
 // Scores of query row i of head h against every key: raw[j] is the raw scaled dot product (needed for
-// the softcap derivative), after[j] the final score, -inf where masked.
+// the softcap derivative), score[j] the final score, -inf where masked. With rd set, every operation of
+// the score (each product and partial sum of q·k, the scale, softcap, ALiBi) is rounded by it.
 struct RowScores {
   std::vector<double> raw;
   std::vector<double> score;
 };
 
-void row_scores(const Dims& dims, const Options& opts, const Sequence& seq, int64_t h, int64_t i, RowScores& rs) {
+void row_scores(const Dims& dims, const Options& opts, const Sequence& seq, int64_t h, int64_t i, RowScores& rs,
+                RoundFn rd = nullptr) {
   const int64_t group = dims.nheads / dims.nheads_k;
   const int64_t hk = h / group;
   const double scale = resolved_scale(dims, opts);
@@ -57,13 +59,19 @@ void row_scores(const Dims& dims, const Options& opts, const Sequence& seq, int6
     if (!key_visible(opts, i, j, seq.seqlen_q, seq.seqlen_k)) continue;
     const double* kj = &seq.k[(j * dims.nheads_k + hk) * dims.headdim];
     double dot = 0.0;
-    for (int64_t c = 0; c < dims.headdim; ++c) dot += qi[c] * kj[c];
-    double s = scale * dot;
+    if (rd) {
+      for (int64_t c = 0; c < dims.headdim; ++c) dot = rd(dot + rd(qi[c] * kj[c]));
+    } else {
+      for (int64_t c = 0; c < dims.headdim; ++c) dot += qi[c] * kj[c];
+    }
+    double s = apply_round(rd, scale * dot);
     rs.raw[j] = s;
-    if (opts.softcap > 0.0) s = opts.softcap * std::tanh(s / opts.softcap);
+    if (opts.softcap > 0.0) {
+      s = apply_round(rd, opts.softcap * apply_round(rd, std::tanh(apply_round(rd, s / opts.softcap))));
+    }
     if (!opts.alibi_slopes.empty()) {
       const int64_t distance = std::llabs(i + seq.seqlen_k - seq.seqlen_q - j);
-      s += -opts.alibi_slopes[h] * static_cast<double>(distance);
+      s = apply_round(rd, s - apply_round(rd, opts.alibi_slopes[h] * static_cast<double>(distance)));
     }
     rs.score[j] = s;
   }
@@ -90,7 +98,8 @@ bool key_visible(const Options& opts, int64_t i, int64_t j, int64_t seqlen_q, in
   return true;
 }
 
-ForwardResult forward(const Dims& dims, const Options& opts, const Sequence& seq, RoundFn round) {
+ForwardResult forward(const Dims& dims, const Options& opts, const Sequence& seq, RoundFn round,
+                      RoundFn round_scores) {
   check_sequence(dims, opts, seq);
   const int64_t group = dims.nheads / dims.nheads_k;
   ForwardResult r;
@@ -101,30 +110,33 @@ ForwardResult forward(const Dims& dims, const Options& opts, const Sequence& seq
   for (int64_t h = 0; h < dims.nheads; ++h) {
     const int64_t hk = h / group;
     for (int64_t i = 0; i < seq.seqlen_q; ++i) {
-      row_scores(dims, opts, seq, h, i, rs);
+      row_scores(dims, opts, seq, h, i, rs, round_scores);
       const double lse = log_sum_exp(rs.score);
       r.lse[h * seq.seqlen_q + i] = lse;
       if (lse == kNegInf) continue;  // no visible key: out stays 0
       for (int64_t j = 0; j < seq.seqlen_k; ++j) p[j] = apply_round(round, std::exp(rs.score[j] - lse));
       double* oi = &r.out[(i * dims.nheads + h) * dims.headdim_v];
-      for (int64_t c = 0; c < dims.headdim_v; ++c) {
-        double acc = 0.0;
-        for (int64_t j = 0; j < seq.seqlen_k; ++j) acc += p[j] * seq.v[(j * dims.nheads_k + hk) * dims.headdim_v + c];
-        oi[c] = apply_round(round, acc);
+      for (int64_t j = 0; j < seq.seqlen_k; ++j) {
+        if (p[j] == 0.0) continue;
+        const double* vj = &seq.v[(j * dims.nheads_k + hk) * dims.headdim_v];
+        for (int64_t c = 0; c < dims.headdim_v; ++c) oi[c] += p[j] * vj[c];
       }
+      for (int64_t c = 0; c < dims.headdim_v; ++c) oi[c] = apply_round(round, oi[c]);
     }
   }
   return r;
 }
 
 Gradients backward(const Dims& dims, const Options& opts, const Sequence& seq, const std::vector<double>& dout,
-                   RoundFn round) {
+                   RoundFn round, const std::vector<double>* given_lse) {
   check_sequence(dims, opts, seq);
   require(static_cast<int64_t>(dout.size()) == seq.seqlen_q * dims.nheads * dims.headdim_v,
           "dout has the wrong size");
   const int64_t group = dims.nheads / dims.nheads_k;
   const double scale = resolved_scale(dims, opts);
   const ForwardResult fwd = forward(dims, opts, seq, round);
+  require(given_lse == nullptr || given_lse->size() == fwd.lse.size(), "given_lse has the wrong size");
+  const std::vector<double>& lse_of_row = given_lse ? *given_lse : fwd.lse;
 
   Gradients g;
   g.dq.assign(seq.q.size(), 0.0);
@@ -135,7 +147,7 @@ Gradients backward(const Dims& dims, const Options& opts, const Sequence& seq, c
   for (int64_t h = 0; h < dims.nheads; ++h) {
     const int64_t hk = h / group;
     for (int64_t i = 0; i < seq.seqlen_q; ++i) {
-      const double lse = fwd.lse[h * seq.seqlen_q + i];
+      const double lse = lse_of_row[h * seq.seqlen_q + i];
       if (lse == kNegInf) continue;  // no visible key: out = 0 does not depend on q, k or v
       row_scores(dims, opts, seq, h, i, rs);
       const double* qi = &seq.q[(i * dims.nheads + h) * dims.headdim];
@@ -145,6 +157,8 @@ Gradients backward(const Dims& dims, const Options& opts, const Sequence& seq, c
       double d_row = 0.0;
       for (int64_t c = 0; c < dims.headdim_v; ++c) d_row += doi[c] * oi[c];
       for (int64_t j = 0; j < seq.seqlen_k; ++j) {
+        p[j] = dp[j] = 0.0;
+        if (rs.score[j] == kNegInf) continue;
         p[j] = apply_round(round, std::exp(rs.score[j] - lse));
         const double* vj = &seq.v[(j * dims.nheads_k + hk) * dims.headdim_v];
         double acc = 0.0;

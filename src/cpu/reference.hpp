@@ -64,11 +64,17 @@ struct Gradients {
 // Whether query i sees key j in a sequence of these lengths (the mask only; ALiBi and softcap aside).
 bool key_visible(const Options& opts, int64_t i, int64_t j, int64_t seqlen_q, int64_t seqlen_k);
 
-ForwardResult forward(const Dims& dims, const Options& opts, const Sequence& seq, RoundFn round = nullptr);
+// round_scores (forward only) also rounds every operation that forms a score (each product and partial sum
+// of q·k, the scale, softcap and ALiBi): the model of scores computed in that dtype, for checks where
+// large scores make the output sensitive to their rounding.
+ForwardResult forward(const Dims& dims, const Options& opts, const Sequence& seq, RoundFn round = nullptr,
+                      RoundFn round_scores = nullptr);
 
 // Exact gradients of sum(out * dout) with respect to q, k and v; dout is [seqlen_q][nheads][headdim_v].
+// given_lse ([nheads][seqlen_q]), when set, replaces the exact lse in P = exp(score - lse), as a backward
+// pass handed a stored (e.g. fp32-rounded) lse computes it.
 Gradients backward(const Dims& dims, const Options& opts, const Sequence& seq, const std::vector<double>& dout,
-                   RoundFn round = nullptr);
+                   RoundFn round = nullptr, const std::vector<double>* given_lse = nullptr);
 
 // ---- KV-cache attention (flash_attn_with_kvcache semantics, see flare_kvcache_params in flare.h) ----
 

@@ -46,7 +46,7 @@ class Rng {
     testing::Test::RecordProperty("seed", std::to_string(seed_));
   }
   uint32_t seed() const { return seed_; }
-  double normal() { return std::normal_distribution<double>(0.0, 1.0)(engine_); }
+  double normal() { return normal_(engine_); }
   double uniform(double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(engine_); }
   int64_t integer(int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(engine_); }
   bool coin() { return integer(0, 1) == 1; }
@@ -55,6 +55,7 @@ class Rng {
  private:
   uint32_t seed_;
   std::mt19937 engine_;
+  std::normal_distribution<double> normal_{0.0, 1.0};
   testing::ScopedTrace trace_;
 };
 
@@ -66,6 +67,22 @@ class Rng {
 // exponents min_exponent..max_exponent (subnormals below), ties to even; overflow gives ±inf.
 inline double round_to_format(double x, int fraction_bits, int min_exponent, int max_exponent) {
   if (!std::isfinite(x) || x == 0.0) return x;
+  const double max_finite = std::ldexp(2.0 - std::ldexp(1.0, -fraction_bits), max_exponent);
+  uint64_t u = 0;
+  std::memcpy(&u, &x, sizeof(u));
+  const int exponent = static_cast<int>((u >> 52) & 0x7FF) - 1023;
+  if (exponent >= min_exponent && exponent <= max_exponent) {
+    // A normal result: round the 52-bit fraction to fraction_bits on the integer bits (a carry out of the
+    // fraction correctly bumps the exponent).
+    const int drop = 52 - fraction_bits;
+    const uint64_t lsb = (u >> drop) & 1;
+    u += ((uint64_t{1} << (drop - 1)) - 1) + lsb;
+    u &= ~((uint64_t{1} << drop) - 1);
+    double r = 0.0;
+    std::memcpy(&r, &u, sizeof(r));
+    return std::fabs(r) > max_finite ? std::copysign(std::numeric_limits<double>::infinity(), x) : r;
+  }
+  // Subnormal in the target format (or out of its range): scale to units of the last place and round.
   int e = 0;
   std::frexp(x, &e);                 // |x| = m 2^e, m in [0.5, 1): the leading bit has weight 2^(e-1)
   const int quantum = std::max(e - 1, min_exponent) - fraction_bits;  // exponent of one unit in the last place
@@ -74,7 +91,6 @@ inline double round_to_format(double x, int fraction_bits, int min_exponent, int
   const double rest = scaled - units;
   if (rest > 0.5 || (rest == 0.5 && std::fmod(units, 2.0) != 0.0)) units += 1.0;
   const double r = std::ldexp(units, quantum);
-  const double max_finite = std::ldexp(2.0 - std::ldexp(1.0, -fraction_bits), max_exponent);
   if (std::fabs(r) > max_finite) return std::copysign(std::numeric_limits<double>::infinity(), x);
   return r;
 }
@@ -277,16 +293,16 @@ class HostTensor {
   // The whole view in row-major order.
   std::vector<double> values() const {
     std::vector<double> out(numel());
-    for (int64_t i = 0; i < numel(); ++i) out[i] = get(i);
+    for_each_offset([&](int64_t i, int64_t off) { out[i] = load(off); });
     return out;
   }
   // Writes x (row-major) into the view, rounding to the dtype; returns what was stored.
   std::vector<double> assign(const std::vector<double>& x) {
     std::vector<double> stored(x.size());
-    for (int64_t i = 0; i < numel(); ++i) {
-      set(i, x[i]);
-      stored[i] = get(i);
-    }
+    for_each_offset([&](int64_t i, int64_t off) {
+      store(off, x[i]);
+      stored[i] = load(off);
+    });
     return stored;
   }
   template <class Rng>
@@ -302,7 +318,7 @@ class HostTensor {
   }
   int64_t nan_in_view() const {
     int64_t n = 0;
-    for (int64_t i = 0; i < numel(); ++i) n += std::isnan(get(i)) ? 1 : 0;
+    for_each_offset([&](int64_t, int64_t off) { n += std::isnan(load(off)) ? 1 : 0; });
     return n;
   }
   int64_t nan_in_buffer() const {
@@ -318,6 +334,24 @@ class HostTensor {
     void* p = std::aligned_alloc(64, rounded);
     std::memset(p, 0, rounded);
     return std::shared_ptr<void>(p, [](void* q) { std::free(q); });
+  }
+
+  // Calls f(linear index, element offset) for every element of the view in row-major order.
+  template <class F>
+  void for_each_offset(F f) const {
+    const int64_t n = numel();
+    if (n == 0) return;
+    std::vector<int64_t> index(rank(), 0);
+    int64_t off = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      f(i, off);
+      for (int d = rank() - 1; d >= 0; --d) {  // odometer step
+        off += strides_[d];
+        if (++index[d] < shape_[d]) break;
+        off -= index[d] * strides_[d];
+        index[d] = 0;
+      }
+    }
   }
 
   // Element offset (from data()) of a row-major linear index.

@@ -1,0 +1,434 @@
+// attention_harness.hpp — one attention case end to end: random inputs in the case's layout, a call through
+// the C ABI (flare_fwd / flare_fwd_varlen / flare_bwd / flare_bwd_varlen) with poisoned outputs, the fp64
+// reference per sequence, and the comparison by the rule of STYLE.md #10.
+//
+// Tolerances
+//  - fp64: max|flare - ref| <= 1e-12 * max(1, max|ref|). The backward takes lse in fp32, so its fp64 check
+//    gives the reference that same fp32-rounded lse (reference::backward's given_lse).
+//  - fp32: max|flare - ref| <= tol * max(1, max|ref|), tol from the caller (1e-5 in the forward).
+//  - fp16/bf16: max|flare - ref| <= 2 * max|naive - ref| + atol, where "naive" is the reference run on the
+//    same rounded inputs but with P, the output and (backward) dP, dS rounded to the dtype, and atol is
+//    half a unit in the last place at max(1, max|ref|).
+//  - lse is fp32 whatever the dtype: the fp32 rule, or twice fp32's unit roundoff for fp64 inputs.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "cpu/reference.hpp"
+#include "test_util.hpp"
+
+namespace flare::test {
+
+enum class AlibiMode { kNone, kPerHead, kPerBatchHead };
+enum class Layout { kContiguous, kScattered, kPackedQkv };
+
+struct AttnCase {
+  flare_dtype dtype = FLARE_DTYPE_F32;
+  bool varlen = false;
+  std::vector<int64_t> seqlens_q, seqlens_k;  // one entry per sequence; dense cases repeat one pair
+  std::vector<int64_t> seqused_k;             // varlen only; empty = absent
+  int64_t nheads = 2, nheads_k = 2, headdim = 64, headdim_v = 64;
+  float softmax_scale = 0.0f;
+  float softcap = 0.0f;
+  bool causal = false;
+  int32_t window_left = -1, window_right = -1;
+  AlibiMode alibi = AlibiMode::kNone;
+  Layout layout = Layout::kContiguous;
+  bool with_lse = true;
+  bool give_max_seqlen = false;  // varlen: pass the true maxima instead of 0 ("derive them")
+  int32_t num_threads = 0;
+  bool deterministic = false;    // backward
+
+  int64_t batch() const { return static_cast<int64_t>(seqlens_q.size()); }
+
+  std::string describe() const {
+    auto list = [](const std::vector<int64_t>& v) {
+      std::string s = "[";
+      for (size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
+      return s + "]";
+    };
+    std::string s = std::string(dtype_name(dtype)) + (varlen ? " varlen" : " dense");
+    s += " seqlens_q=" + list(seqlens_q) + " seqlens_k=" + list(seqlens_k);
+    if (!seqused_k.empty()) s += " seqused_k=" + list(seqused_k);
+    s += " nheads=" + std::to_string(nheads) + "/" + std::to_string(nheads_k) + " headdim=" +
+         std::to_string(headdim) + "/" + std::to_string(headdim_v);
+    if (softmax_scale != 0.0f) s += " scale=" + std::to_string(softmax_scale);
+    if (softcap != 0.0f) s += " softcap=" + std::to_string(softcap);
+    if (causal) s += " causal";
+    if (window_left >= 0 || window_right >= 0)
+      s += " window=(" + std::to_string(window_left) + "," + std::to_string(window_right) + ")";
+    if (alibi != AlibiMode::kNone) s += alibi == AlibiMode::kPerHead ? " alibi(h)" : " alibi(b,h)";
+    if (layout != Layout::kContiguous) s += layout == Layout::kScattered ? " strided" : " packed-qkv";
+    if (!with_lse) s += " no-lse";
+    if (num_threads) s += " threads=" + std::to_string(num_threads);
+    return s;
+  }
+};
+
+inline AttnCase dense_case(flare_dtype dtype, int64_t batch, int64_t seqlen_q, int64_t seqlen_k, int64_t nheads,
+                           int64_t nheads_k, int64_t headdim, int64_t headdim_v) {
+  AttnCase c;
+  c.dtype = dtype;
+  c.seqlens_q.assign(batch, seqlen_q);
+  c.seqlens_k.assign(batch, seqlen_k);
+  c.nheads = nheads;
+  c.nheads_k = nheads_k;
+  c.headdim = headdim;
+  c.headdim_v = headdim_v;
+  return c;
+}
+
+inline AttnCase varlen_case(flare_dtype dtype, std::vector<int64_t> seqlens_q, std::vector<int64_t> seqlens_k,
+                            int64_t nheads, int64_t nheads_k, int64_t headdim, int64_t headdim_v) {
+  AttnCase c = dense_case(dtype, 0, 0, 0, nheads, nheads_k, headdim, headdim_v);
+  c.varlen = true;
+  c.seqlens_q = std::move(seqlens_q);
+  c.seqlens_k = std::move(seqlens_k);
+  return c;
+}
+
+// The inputs of one case: flare views plus, per sequence, the stored values in the reference's layout.
+struct AttnProblem {
+  AttnCase c;
+  HostTensor q, k, v, alibi, cu_seqlens_q, cu_seqlens_k, seqused_k;
+  std::vector<int64_t> start_q, start_k;  // first token of each sequence (varlen; dense: b * seqlen)
+  int64_t total_q = 0, total_k = 0;
+  reference::Dims dims;
+  std::vector<reference::Sequence> seqs;
+  std::vector<reference::Options> opts;
+
+  // Shapes of q/out-like and k-like tensors for a given last dimension and head count.
+  std::vector<int64_t> q_shape(int64_t heads, int64_t dim) const {
+    return c.varlen ? std::vector<int64_t>{total_q, heads, dim}
+                    : std::vector<int64_t>{c.batch(), c.seqlens_q[0], heads, dim};
+  }
+  std::vector<int64_t> k_shape(int64_t heads, int64_t dim) const {
+    return c.varlen ? std::vector<int64_t>{total_k, heads, dim}
+                    : std::vector<int64_t>{c.batch(), c.seqlens_k[0], heads, dim};
+  }
+  std::vector<int64_t> lse_shape() const {
+    return c.varlen ? std::vector<int64_t>{c.nheads, total_q} : std::vector<int64_t>{c.batch(), c.nheads, c.seqlens_q[0]};
+  }
+};
+
+// A fresh output-like tensor in the case's layout (scattered unless the case is contiguous).
+inline HostTensor make_like(const AttnCase& c, flare_dtype dtype, std::vector<int64_t> shape, Rng& rng) {
+  return c.layout == Layout::kContiguous ? HostTensor::contiguous(dtype, std::move(shape))
+                                         : HostTensor::scattered(dtype, std::move(shape), rng);
+}
+
+inline AttnProblem make_problem(AttnCase c, Rng& rng) {
+  AttnProblem pb;
+  const int64_t batch = c.batch();
+  if (c.dtype == FLARE_DTYPE_F64 && c.softmax_scale == 0.0f) {
+    // The ABI's scale is an fp32; at fp64 tolerances the reference must use that very number.
+    c.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.headdim)));
+  }
+  pb.c = c;
+  pb.dims = reference::Dims{c.nheads, c.nheads_k, c.headdim, c.headdim_v};
+  for (int64_t b = 0; b < batch; ++b) {
+    pb.start_q.push_back(c.varlen ? pb.total_q : b * c.seqlens_q[0]);
+    pb.start_k.push_back(c.varlen ? pb.total_k : b * c.seqlens_k[0]);
+    pb.total_q += c.seqlens_q[b];
+    pb.total_k += c.seqlens_k[b];
+  }
+
+  if (c.layout == Layout::kPackedQkv) {
+    // One buffer of (tokens, nheads + 2 nheads_k, headdim): q, k and v are head ranges of it.
+    EXPECT_EQ(c.seqlens_q, c.seqlens_k) << "packed qkv needs equal q and k lengths";
+    EXPECT_EQ(c.headdim, c.headdim_v) << "packed qkv needs headdim == headdim_v";
+    const int64_t heads = c.nheads + 2 * c.nheads_k;
+    HostTensor qkv = HostTensor::contiguous(c.dtype, pb.q_shape(heads, c.headdim));
+    std::vector<int64_t> strides = qkv.strides();
+    pb.q = HostTensor::view_of(qkv, 0, pb.q_shape(c.nheads, c.headdim), strides);
+    pb.k = HostTensor::view_of(qkv, c.nheads * c.headdim, pb.k_shape(c.nheads_k, c.headdim), strides);
+    pb.v = HostTensor::view_of(qkv, (c.nheads + c.nheads_k) * c.headdim, pb.k_shape(c.nheads_k, c.headdim), strides);
+  } else {
+    pb.q = make_like(c, c.dtype, pb.q_shape(c.nheads, c.headdim), rng);
+    pb.k = make_like(c, c.dtype, pb.k_shape(c.nheads_k, c.headdim), rng);
+    pb.v = make_like(c, c.dtype, pb.k_shape(c.nheads_k, c.headdim_v), rng);
+  }
+  const std::vector<double> q = pb.q.fill_normal(rng);
+  const std::vector<double> k = pb.k.fill_normal(rng);
+  const std::vector<double> v = pb.v.fill_normal(rng);
+
+  std::vector<double> slopes;  // (batch, nheads) as the reference sees them
+  if (c.alibi != AlibiMode::kNone) {
+    const bool per_batch = c.alibi == AlibiMode::kPerBatchHead;
+    pb.alibi = per_batch ? HostTensor::contiguous(FLARE_DTYPE_F32, {batch, c.nheads})
+                         : HostTensor::contiguous(FLARE_DTYPE_F32, {c.nheads});
+    std::vector<double> raw(pb.alibi.numel());
+    for (double& s : raw) s = rng.uniform(0.0, 0.5);
+    const std::vector<double> stored = pb.alibi.assign(raw);
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t h = 0; h < c.nheads; ++h) slopes.push_back(stored[(per_batch ? b * c.nheads : 0) + h]);
+  }
+
+  if (c.varlen) {
+    std::vector<int64_t> cu_q{0}, cu_k{0};
+    for (int64_t b = 0; b < batch; ++b) {
+      cu_q.push_back(cu_q.back() + c.seqlens_q[b]);
+      cu_k.push_back(cu_k.back() + c.seqlens_k[b]);
+    }
+    pb.cu_seqlens_q = int32_tensor(cu_q);
+    pb.cu_seqlens_k = int32_tensor(cu_k);
+    if (!c.seqused_k.empty()) pb.seqused_k = int32_tensor(c.seqused_k);
+  }
+
+  const int64_t qrow = c.nheads * c.headdim, krow = c.nheads_k * c.headdim, vrow = c.nheads_k * c.headdim_v;
+  for (int64_t b = 0; b < batch; ++b) {
+    reference::Sequence s;
+    s.seqlen_q = c.seqlens_q[b];
+    s.seqlen_k = c.seqused_k.empty() ? c.seqlens_k[b] : c.seqused_k[b];
+    s.q.assign(q.begin() + pb.start_q[b] * qrow, q.begin() + (pb.start_q[b] + s.seqlen_q) * qrow);
+    s.k.assign(k.begin() + pb.start_k[b] * krow, k.begin() + (pb.start_k[b] + s.seqlen_k) * krow);
+    s.v.assign(v.begin() + pb.start_k[b] * vrow, v.begin() + (pb.start_k[b] + s.seqlen_k) * vrow);
+    pb.seqs.push_back(std::move(s));
+
+    reference::Options o;
+    o.softmax_scale = c.softmax_scale;
+    o.softcap = c.softcap;
+    o.causal = c.causal;
+    o.window_left = c.window_left;
+    o.window_right = c.window_right;
+    if (!slopes.empty()) o.alibi_slopes.assign(slopes.begin() + b * c.nheads, slopes.begin() + (b + 1) * c.nheads);
+    pb.opts.push_back(std::move(o));
+  }
+  return pb;
+}
+
+inline flare_attn_options attn_options(const AttnProblem& pb, flare_attn_options base) {
+  base.softmax_scale = pb.c.softmax_scale;
+  base.softcap = pb.c.softcap;
+  base.causal = pb.c.causal ? 1 : 0;
+  base.window_left = pb.c.window_left;
+  base.window_right = pb.c.window_right;
+  base.alibi_slopes = pb.alibi.view();
+  return base;
+}
+
+inline int32_t max_of(const std::vector<int64_t>& v) {
+  int64_t m = 0;
+  for (int64_t x : v) m = std::max(m, x);
+  return static_cast<int32_t>(m);
+}
+
+// Checks got against ref by the dtype's rule (see the top of this file). naive() gives the same-dtype naive
+// result: always used for fp16/bf16; for fp32 only when the fixed tolerance is exceeded, as the allowance
+// of an ill-conditioned case (large scores), where it models fp32 scores (see reference::forward).
+inline void expect_matches(const char* what, flare_dtype dtype, const std::vector<double>& got,
+                           const std::vector<double>& ref, const std::function<std::vector<double>()>& naive,
+                           double fp32_tol, double fp64_tol = 1e-12) {
+  const ErrorStats err = compare(got, ref);
+  const double magnitude = std::max(1.0, err.max_ref);
+  double bound = 0.0;
+  std::string rule;
+  auto naive_bound = [&] {
+    const std::vector<double> model = naive();
+    if (model.size() != ref.size()) {
+      ADD_FAILURE() << what << ": the same-dtype naive result has " << model.size() << " entries, not " << ref.size();
+      return 0.0;
+    }
+    const ErrorStats naive_err = compare(model, ref);
+    rule = "2 * same-dtype naive error " + std::to_string(naive_err.max_error) + " + atol";
+    return 2.0 * naive_err.max_error + 0.5 * unit_roundoff(dtype) * magnitude;
+  };
+  if (is_low_precision(dtype)) {
+    bound = naive_bound();
+  } else if (dtype == FLARE_DTYPE_F64) {
+    bound = fp64_tol * magnitude;
+    rule = "fp64 tol";
+  } else {
+    bound = fp32_tol * magnitude;
+    rule = "fp32 tol";
+    if (err.max_error > bound && naive) bound = std::max(bound, naive_bound());
+  }
+  if (std::getenv("FLARE_TEST_VERBOSE") != nullptr)
+    std::printf("  %-12s %-5s error %.3e  bound %.3e  (%s)\n", what, dtype_name(dtype), err.max_error, bound, rule.c_str());
+  EXPECT_EQ(err.bad, 0) << what << ": " << describe(err, got, ref);
+  EXPECT_LE(err.max_error, bound) << what << ": " << describe(err, got, ref) << "; bound " << bound << " = " << rule;
+}
+
+// The lse in flare's layout, gathered from the per-sequence reference results.
+inline std::vector<double> lse_in_flare_layout(const AttnProblem& pb, const std::vector<reference::ForwardResult>& r) {
+  const AttnCase& c = pb.c;
+  std::vector<double> lse;
+  if (!c.varlen) {
+    for (const auto& x : r) lse.insert(lse.end(), x.lse.begin(), x.lse.end());
+    return lse;
+  }
+  lse.assign(c.nheads * pb.total_q, 0.0);
+  for (int64_t b = 0; b < c.batch(); ++b)
+    for (int64_t h = 0; h < c.nheads; ++h)
+      for (int64_t i = 0; i < c.seqlens_q[b]; ++i) lse[h * pb.total_q + pb.start_q[b] + i] = r[b].lse[h * c.seqlens_q[b] + i];
+  return lse;
+}
+
+inline std::vector<double> concat_out(const std::vector<reference::ForwardResult>& r) {
+  std::vector<double> out;
+  for (const auto& x : r) out.insert(out.end(), x.out.begin(), x.out.end());
+  return out;
+}
+
+inline std::vector<reference::ForwardResult> reference_forward(const AttnProblem& pb, RoundFn round,
+                                                               RoundFn round_scores = nullptr) {
+  std::vector<reference::ForwardResult> r;
+  for (int64_t b = 0; b < pb.c.batch(); ++b)
+    r.push_back(reference::forward(pb.dims, pb.opts[b], pb.seqs[b], round, round_scores));
+  return r;
+}
+
+// lse is stored in fp32 whatever the inputs: fp64 inputs leave only that rounding (twice the unit roundoff
+// bounds it with room); other inputs are computed in fp32 and get the fp32 tolerance.
+inline double lse_tolerance(flare_dtype dtype, double fp32_tol) {
+  return dtype == FLARE_DTYPE_F64 ? 2.0 * unit_roundoff(FLARE_DTYPE_F32) : fp32_tol;
+}
+
+// Runs the forward of a case through the C ABI and checks out and lse. Returns the flare outputs
+// (row-major values) for callers that check more.
+struct ForwardOutputs {
+  std::vector<double> out, lse;
+};
+
+inline ForwardOutputs check_forward(const AttnCase& c_in, Rng& rng, double fp32_tol = 1e-5) {
+  SCOPED_TRACE("forward " + c_in.describe());
+  const AttnProblem pb = make_problem(c_in, rng);
+  const AttnCase& c = pb.c;
+  HostTensor out = make_like(c, c.dtype, pb.q_shape(c.nheads, c.headdim_v), rng);
+  HostTensor lse;
+  if (c.with_lse) lse = make_like(c, FLARE_DTYPE_F32, pb.lse_shape(), rng);
+  out.poison_buffer();
+  if (lse.present()) lse.poison_buffer();
+
+  flare_fwd_params p;
+  flare_fwd_params_init(&p);
+  p.q = pb.q.view();
+  p.k = pb.k.view();
+  p.v = pb.v.view();
+  p.out = out.view();
+  p.softmax_lse = lse.view();
+  p.attn = attn_options(pb, p.attn);
+  p.exec.num_threads = c.num_threads;
+  ForwardOutputs result;
+  if (c.varlen) {
+    p.cu_seqlens_q = pb.cu_seqlens_q.view();
+    p.cu_seqlens_k = pb.cu_seqlens_k.view();
+    p.seqused_k = pb.seqused_k.view();
+    if (c.give_max_seqlen) {
+      p.max_seqlen_q = max_of(c.seqlens_q);
+      p.max_seqlen_k = max_of(c.seqlens_k);
+    }
+    [&] { FLARE_ASSERT_OK(flare_fwd_varlen(&p)); }();
+  } else {
+    [&] { FLARE_ASSERT_OK(flare_fwd(&p)); }();
+  }
+  if (testing::Test::HasFatalFailure()) return result;
+  expect_fully_overwritten(out, "out");
+  if (lse.present()) expect_fully_overwritten(lse, "softmax_lse");
+
+  const auto ref = reference_forward(pb, nullptr);
+  const std::vector<double> ref_out = concat_out(ref);
+  const RoundFn round = rounding_of(c.dtype);
+  const RoundFn round_scores = c.dtype == FLARE_DTYPE_F32 ? round : nullptr;
+  std::vector<reference::ForwardResult> naive;
+  auto naive_results = [&]() -> const std::vector<reference::ForwardResult>& {
+    if (naive.empty()) naive = reference_forward(pb, round, round_scores);
+    return naive;
+  };
+  result.out = out.values();
+  expect_matches("out", c.dtype, result.out, ref_out, [&] { return concat_out(naive_results()); }, fp32_tol);
+  if (lse.present()) {
+    result.lse = lse.values();
+    std::function<std::vector<double>()> naive_lse;
+    if (c.dtype != FLARE_DTYPE_F64) naive_lse = [&] { return lse_in_flare_layout(pb, naive_results()); };
+    expect_matches("softmax_lse", FLARE_DTYPE_F32, result.lse, lse_in_flare_layout(pb, ref), naive_lse,
+                   lse_tolerance(c.dtype, fp32_tol));
+  }
+  return result;
+}
+
+// Runs the backward of a case through the C ABI and checks dq, dk and dv. out and lse come from the exact
+// reference (out stored in the dtype, lse in fp32), so the backward is checked on its own.
+inline void check_backward(const AttnCase& c_in, Rng& rng, double fp32_tol, double fp64_tol = 1e-12) {
+  SCOPED_TRACE("backward " + c_in.describe());
+  const AttnProblem pb = make_problem(c_in, rng);
+  const AttnCase& c = pb.c;
+  const auto ref_fwd = reference_forward(pb, nullptr);
+  HostTensor out = make_like(c, c.dtype, pb.q_shape(c.nheads, c.headdim_v), rng);
+  out.assign(concat_out(ref_fwd));
+  HostTensor lse = make_like(c, FLARE_DTYPE_F32, pb.lse_shape(), rng);
+  lse.assign(lse_in_flare_layout(pb, ref_fwd));
+  HostTensor dout = make_like(c, c.dtype, pb.q_shape(c.nheads, c.headdim_v), rng);
+  const std::vector<double> dout_values = dout.fill_normal(rng);
+  HostTensor dq = make_like(c, c.dtype, pb.q_shape(c.nheads, c.headdim), rng);
+  HostTensor dk = make_like(c, c.dtype, pb.k_shape(c.nheads_k, c.headdim), rng);
+  HostTensor dv = make_like(c, c.dtype, pb.k_shape(c.nheads_k, c.headdim_v), rng);
+  for (HostTensor* t : {&dq, &dk, &dv}) t->poison_buffer();
+
+  flare_bwd_params p;
+  flare_bwd_params_init(&p);
+  p.q = pb.q.view();
+  p.k = pb.k.view();
+  p.v = pb.v.view();
+  p.out = out.view();
+  p.dout = dout.view();
+  p.softmax_lse = lse.view();
+  p.dq = dq.view();
+  p.dk = dk.view();
+  p.dv = dv.view();
+  p.deterministic = c.deterministic ? 1 : 0;
+  p.attn = attn_options(pb, p.attn);
+  p.exec.num_threads = c.num_threads;
+  if (c.varlen) {
+    p.cu_seqlens_q = pb.cu_seqlens_q.view();
+    p.cu_seqlens_k = pb.cu_seqlens_k.view();
+    p.seqused_k = pb.seqused_k.view();
+    if (c.give_max_seqlen) {
+      p.max_seqlen_q = max_of(c.seqlens_q);
+      p.max_seqlen_k = max_of(c.seqlens_k);
+    }
+    [&] { FLARE_ASSERT_OK(flare_bwd_varlen(&p)); }();
+  } else {
+    [&] { FLARE_ASSERT_OK(flare_bwd(&p)); }();
+  }
+  if (testing::Test::HasFatalFailure()) return;
+  expect_fully_overwritten(dq, "dq");
+  expect_fully_overwritten(dk, "dk");
+  expect_fully_overwritten(dv, "dv");
+
+  // Gradients in flare's layout; keys a sequence does not use (beyond seqused_k) have zero gradient.
+  const int64_t qrow = c.nheads * c.headdim, krow = c.nheads_k * c.headdim, vrow = c.nheads_k * c.headdim_v;
+  const int64_t orow = c.nheads * c.headdim_v;
+  auto gradients = [&](RoundFn round, std::vector<double>& gq, std::vector<double>& gk, std::vector<double>& gv) {
+    gq.assign(pb.total_q * qrow, 0.0);
+    gk.assign(pb.total_k * krow, 0.0);
+    gv.assign(pb.total_k * vrow, 0.0);
+    for (int64_t b = 0; b < c.batch(); ++b) {
+      const reference::Sequence& s = pb.seqs[b];
+      const std::vector<double> seq_dout(dout_values.begin() + pb.start_q[b] * orow,
+                                         dout_values.begin() + (pb.start_q[b] + s.seqlen_q) * orow);
+      // fp64 is checked at 1e-12, below the fp32 lse's own rounding: give the reference that very lse.
+      std::vector<double> lse32 = ref_fwd[b].lse;
+      for (double& x : lse32) x = round_f32(x);
+      const bool use_lse32 = c.dtype == FLARE_DTYPE_F64;
+      const reference::Gradients g =
+          reference::backward(pb.dims, pb.opts[b], s, seq_dout, round, use_lse32 ? &lse32 : nullptr);
+      std::copy(g.dq.begin(), g.dq.end(), gq.begin() + pb.start_q[b] * qrow);
+      std::copy(g.dk.begin(), g.dk.end(), gk.begin() + pb.start_k[b] * krow);
+      std::copy(g.dv.begin(), g.dv.end(), gv.begin() + pb.start_k[b] * vrow);
+    }
+  };
+  std::vector<double> ref_dq, ref_dk, ref_dv, naive_dq, naive_dk, naive_dv;
+  gradients(nullptr, ref_dq, ref_dk, ref_dv);
+  if (is_low_precision(c.dtype)) gradients(rounding_of(c.dtype), naive_dq, naive_dk, naive_dv);
+  // No fp32 allowance in the backward: its cases keep scores of unit scale.
+  using Naive = std::function<std::vector<double>()>;
+  const bool low = is_low_precision(c.dtype);
+  expect_matches("dq", c.dtype, dq.values(), ref_dq, low ? Naive([&] { return naive_dq; }) : nullptr, fp32_tol, fp64_tol);
+  expect_matches("dk", c.dtype, dk.values(), ref_dk, low ? Naive([&] { return naive_dk; }) : nullptr, fp32_tol, fp64_tol);
+  expect_matches("dv", c.dtype, dv.values(), ref_dv, low ? Naive([&] { return naive_dv; }) : nullptr, fp32_tol, fp64_tol);
+}
+
+}  // namespace flare::test
