@@ -41,7 +41,8 @@ class Tensor {
     for (int64_t s : shape) n *= s;
     bytes_ = static_cast<size_t>(n) * element_bytes(dtype);
     storage_.assign(bytes_ / 8 + 1, 0);  // never empty, so data is non-null even for zero elements
-    view = flare_tensor_contiguous(storage_.data(), dtype, kCpu, static_cast<int32_t>(shape.size()), shape.data());
+    view = flare_tensor_contiguous(storage_.data(), dtype, kCpu, static_cast<int32_t>(shape.size()),
+                                   shape.data());
     std::mt19937 rng(seed);
     std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
     for (int64_t i = 0; i < n; ++i) {

@@ -505,7 +505,8 @@ TEST(BadInput, WindowBelowMinusOne) {
 }
 
 TEST(BadInput, SoftcapAndScaleNotFinitePositive) {
-  const float bad[] = {-1.0f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()};
+  const float bad[] = {-1.0f, std::numeric_limits<float>::quiet_NaN(),
+                       std::numeric_limits<float>::infinity()};
   for (float value : bad) {
     for_fwd_entries([&](FwdCase& c, auto call) {
       c.params.attn.softcap = value;

@@ -157,7 +157,8 @@ TEST(BadInputKvCache, Dtypes) {
       },
       true);
   for_dense_and_paged([](KvCase& c) {
-    for (flare_tensor* t : {&c.params.q, &c.params.k_cache, &c.params.v_cache, &c.params.k_new, &c.params.v_new}) {
+    for (flare_tensor* t :
+         {&c.params.q, &c.params.k_cache, &c.params.v_cache, &c.params.k_new, &c.params.v_new}) {
       t->dtype = FLARE_DTYPE_E4M3;
     }
     c.params.out.dtype = FLARE_DTYPE_BF16;

@@ -144,7 +144,8 @@ TEST(CppApi, ErrorsThrowWithStatusAndMessage) {
   FwdCase cuda;
   flare_tensor q = cuda.q.view;
   q.device = kCuda0;
-  EXPECT_THROW(flare::forward(TensorView::from_c(q), view(cuda.k), view(cuda.v), view(cuda.out)), flare::Error);
+  EXPECT_THROW(flare::forward(TensorView::from_c(q), view(cuda.k), view(cuda.v), view(cuda.out)),
+               flare::Error);
   try {
     flare::forward_workspace_size(view(cuda.q), view(cuda.k), view(cuda.v), view(cuda.out), {}, {},
                                   flare::ExecOptions{nullptr, -1});
@@ -217,8 +218,9 @@ TEST(CppApi, HalfAndBfloatConversions) {
 }
 
 TEST(CppApi, IntrospectionMatchesC) {
-  EXPECT_EQ(flare::version(), std::to_string(FLARE_VERSION_MAJOR) + "." + std::to_string(FLARE_VERSION_MINOR) +
-                                  "." + std::to_string(FLARE_VERSION_PATCH));
+  const std::string version = std::to_string(FLARE_VERSION_MAJOR) + "." +
+                              std::to_string(FLARE_VERSION_MINOR) + "." + std::to_string(FLARE_VERSION_PATCH);
+  EXPECT_EQ(flare::version(), version);
   EXPECT_EQ(flare::cpu_isa(), flare_cpu_isa());
   EXPECT_FALSE(flare::cpu_isa().empty());
   EXPECT_FALSE(flare::has_cuda());
