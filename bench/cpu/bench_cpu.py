@@ -343,9 +343,9 @@ def memory_child(args):
 def run_memory(args):
     """The long-context forward: one run per implementation, each in its own process (memory_child)."""
     shape, dtype_name = memory_shape(args), args.mem_dtype
-    print(f"\nmemory: forward, causal, {dtype_name}, 1 x {shape['nheads']} heads x headdim {shape['headdim']}, "
-          f"seqlen {shape['seqlen_q']}: one run each in a fresh process; peak resident memory above the "
-          f"inputs, output included", flush=True)
+    print(f"\nmemory: forward, causal, {dtype_name}, 1 x {shape['nheads']} heads x headdim "
+          f"{shape['headdim']}, seqlen {shape['seqlen_q']}: one run each in a fresh process; peak resident "
+          f"memory above the inputs, output included", flush=True)
     rows = []
     need = naive_bytes("fwd", 1, shape["nheads"], shape["seqlen_q"], shape["seqlen_k"])
     for impl in ("flare", "torch-cpu", "naive"):
@@ -376,8 +376,8 @@ def run_memory(args):
 
 
 class Table:
-    HEADER = (f"{'pass':<4} {'dtype':<5} {'hd':>4} {'causal':<6} {'seqlen':>6} {'b x h':>7} | {'flare ms':>10} "
-              f"{'torch ms':>10} {'naive ms':>10} | {'torch/flare':>11} {'flare GF/s':>10}")
+    HEADER = (f"{'pass':<4} {'dtype':<5} {'hd':>4} {'causal':<6} {'seqlen':>6} {'b x h':>7} | "
+              f"{'flare ms':>10} {'torch ms':>10} {'naive ms':>10} | {'torch/flare':>11} {'flare GF/s':>10}")
 
     def __init__(self):
         print(self.HEADER)
@@ -447,7 +447,8 @@ def default_out(quick):
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="a few small rows and a small memory run (smoke test)")
+    p.add_argument("--quick", action="store_true",
+                   help="a few small rows and a small memory run (smoke test)")
     p.add_argument("--out", type=Path, help="result JSON (default bench/results/cpu-<date>.json)")
     p.add_argument("--lib", type=Path, default=Path(os.environ.get("FLARE_LIB",
                                                                    REPO / "build/release/src/libflare.so")))

@@ -52,8 +52,9 @@ def timing_table(rows):
         if flare and flare.get("tflops") is not None:
             gflops = f"{flare['tflops'] * 1e3:.1f}"
         seqlen = str(sq) if sq == sk else f"{sq}/{sk}"
-        lines.append(f"| {pass_} | {dtype} | {hd} | {'yes' if causal else 'no'} | {seqlen} | {batch} x {nheads} "
-                     f"| {fmt_ms(flare)} | {fmt_ms(torch_)} | {ratio} | {fmt_ms(naive)} | {gflops} |")
+        lines.append(f"| {pass_} | {dtype} | {hd} | {'yes' if causal else 'no'} | {seqlen} "
+                     f"| {batch} x {nheads} | {fmt_ms(flare)} | {fmt_ms(torch_)} | {ratio} | {fmt_ms(naive)} "
+                     f"| {gflops} |")
     return lines
 
 
@@ -68,8 +69,9 @@ def memory_table(rows):
             peak = f"{r['peak_mib']:.1f} MiB"
         else:
             peak = f"not run: {r.get('skipped', 'skipped')}"
+        shape = f"{r['batch']} x {r['nheads']} x {r['headdim']}"
         lines.append(f"| {r['impl']} | {r['pass']} | {r['dtype']} | {'yes' if r['causal'] else 'no'} "
-                     f"| {r['batch']} x {r['nheads']} x {r['headdim']} | {r['seqlen_q']} | {fmt_ms(r)} | {peak} |")
+                     f"| {shape} | {r['seqlen_q']} | {fmt_ms(r)} | {peak} |")
     return lines
 
 
