@@ -150,6 +150,9 @@ void check_kvcache(const KvCase& c, Rng& rng, double fp32_tol = 1e-5) {
   p.rotary_interleaved = c.interleaved ? 1 : 0;
   p.out = out.view();
   p.softmax_lse = lse.view();
+  // An explicit fp32 scale, so that the fp64 reference uses the very number flare does.
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.headdim)));
+  p.attn.softmax_scale = scale;
   p.attn.softcap = c.softcap;
   p.attn.causal = c.causal ? 1 : 0;
   p.attn.window_left = c.window_left;
@@ -190,6 +193,7 @@ void check_kvcache(const KvCase& c, Rng& rng, double fp32_tol = 1e-5) {
       seq.v_new.assign(vnv.begin() + b * c.seqlen_new * vrow, vnv.begin() + (b + 1) * c.seqlen_new * vrow);
     }
     reference::Options o;
+    o.softmax_scale = scale;
     o.softcap = c.softcap;
     o.causal = c.causal;
     o.window_left = c.window_left;
@@ -228,9 +232,11 @@ void check_kvcache(const KvCase& c, Rng& rng, double fp32_tol = 1e-5) {
     expect_matches("softmax_lse", FLARE_DTYPE_F32, lse.values(), ref_lse, low ? Naive([&] { return naive_lse; }) : nullptr,
                    lse_tolerance(c.dtype, fp32_tol));
 
-  // The appended rows: v exactly as given; k as given, or rotated (computed in at least fp32, then stored).
+  // The appended rows: v exactly as given; k as given, or rotated (computed in at least fp32, fp64 for fp64
+  // inputs, then stored).
   EXPECT_EQ(got_v_new, ref_v_new) << "v_new was not copied into the cache as given";
-  const double k_tol = c.rotary_dim > 0 ? 2 * unit_roundoff(c.dtype) + 8 * unit_roundoff(FLARE_DTYPE_F32) : 0.0;
+  const double compute_roundoff = unit_roundoff(c.dtype == FLARE_DTYPE_F64 ? FLARE_DTYPE_F64 : FLARE_DTYPE_F32);
+  const double k_tol = c.rotary_dim > 0 ? 2 * unit_roundoff(c.dtype) + 8 * compute_roundoff : 0.0;
   const ErrorStats k_err = compare(got_k_new, ref_k_new);
   EXPECT_LE(k_err.max_error, k_tol * std::max(1.0, k_err.max_ref)) << "appended k: " << describe(k_err, got_k_new, ref_k_new);
   // Everything else in the cache is untouched, bit for bit.
@@ -241,7 +247,7 @@ void check_kvcache(const KvCase& c, Rng& rng, double fp32_tol = 1e-5) {
   EXPECT_EQ(v_changed, 0) << "v_cache elements outside the appended rows changed";
 }
 
-const flare_dtype kDtypes[] = {FLARE_DTYPE_F32, FLARE_DTYPE_BF16, FLARE_DTYPE_F16};
+const flare_dtype kDtypes[] = {FLARE_DTYPE_F32, FLARE_DTYPE_BF16, FLARE_DTYPE_F16, FLARE_DTYPE_F64};
 
 TEST(KvCache, DenseDecode) {
   Rng rng;
@@ -408,7 +414,7 @@ TEST(KvCache, RandomCombinations) {
   const int64_t headdims[] = {32, 64, 80, 128};
   for (int n = 0; n < 16; ++n) {
     KvCase c;
-    c.dtype = kDtypes[rng.integer(0, 2)];
+    c.dtype = kDtypes[rng.integer(0, 3)];
     c.batch = rng.integer(1, 3);
     c.nheads_k = rng.integer(1, 2);
     c.nheads = c.nheads_k * rng.integer(1, 3);
