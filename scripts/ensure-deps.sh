@@ -17,12 +17,17 @@ missing=()
 command -v cmake >/dev/null 2>&1 || missing+=(cmake)
 command -v g++ >/dev/null 2>&1 || missing+=(g++)
 command -v make >/dev/null 2>&1 || missing+=(make)
-if [[ $want_tests == 1 ]] && ! dpkg -s libgtest-dev >/dev/null 2>&1; then
+# GoogleTest is a library, not a command: ask dpkg (elsewhere, CMake's find_package reports it if absent).
+if [[ $want_tests == 1 ]] && command -v dpkg >/dev/null 2>&1 && ! dpkg -s libgtest-dev >/dev/null 2>&1; then
   missing+=(libgtest-dev)
 fi
 
 if ((${#missing[@]} > 0)); then
   echo "ensure-deps: installing ${missing[*]}"
+  if ! command -v apt-get >/dev/null 2>&1; then
+    echo "ensure-deps: missing ${missing[*]} and no apt-get here: install them and rerun" >&2
+    exit 1
+  fi
   if [[ $(id -u) == 0 ]]; then
     sudo_cmd=()
   elif command -v sudo >/dev/null 2>&1; then

@@ -32,6 +32,27 @@ constexpr int kTrials = 5;              // best of (the machine may be shared)
 
 #if defined(__x86_64__)
 
+// The sum of every lane of n accumulators: what the kernels return.
+__attribute__((target("avx512f"))) float sum_lanes(const __m512* acc, int n) {
+  __m512 sum = acc[0];
+  for (int c = 1; c < n; ++c) sum = _mm512_add_ps(sum, acc[c]);
+  float lanes[16];
+  _mm512_storeu_ps(lanes, sum);
+  float total = 0.0f;
+  for (float x : lanes) total += x;
+  return total;
+}
+
+__attribute__((target("avx2"))) float sum_lanes(const __m256* acc, int n) {
+  __m256 sum = acc[0];
+  for (int c = 1; c < n; ++c) sum = _mm256_add_ps(sum, acc[c]);
+  float lanes[8];
+  _mm256_storeu_ps(lanes, sum);
+  float total = 0.0f;
+  for (float x : lanes) total += x;
+  return total;
+}
+
 // Each kernel runs `iters` rounds of one operation per chain (each chain dependent on itself only) and
 // returns a value that depends on every accumulator, so nothing is optimised away.
 __attribute__((target("avx512f,fma"))) float fma_chains_avx512(long iters) {
@@ -43,13 +64,7 @@ __attribute__((target("avx512f,fma"))) float fma_chains_avx512(long iters) {
 #pragma GCC unroll 16
     for (int c = 0; c < kChains; ++c) acc[c] = _mm512_fmadd_ps(acc[c], a, b);
   }
-  __m512 sum = acc[0];
-  for (int c = 1; c < kChains; ++c) sum = _mm512_add_ps(sum, acc[c]);
-  float lanes[16];
-  _mm512_storeu_ps(lanes, sum);
-  float total = 0.0f;
-  for (float x : lanes) total += x;
-  return total;
+  return sum_lanes(acc, kChains);
 }
 
 __attribute__((target("avx2,fma"))) float fma_chains_avx2(long iters) {
@@ -61,13 +76,7 @@ __attribute__((target("avx2,fma"))) float fma_chains_avx2(long iters) {
 #pragma GCC unroll 12
     for (int c = 0; c < kChainsAvx2; ++c) acc[c] = _mm256_fmadd_ps(acc[c], a, b);
   }
-  __m256 sum = acc[0];
-  for (int c = 1; c < kChainsAvx2; ++c) sum = _mm256_add_ps(sum, acc[c]);
-  float lanes[8];
-  _mm256_storeu_ps(lanes, sum);
-  float total = 0.0f;
-  for (float x : lanes) total += x;
-  return total;
+  return sum_lanes(acc, kChainsAvx2);
 }
 
 __attribute__((target("avx512f,avx512bf16"))) float dpbf16_chains(long iters) {
@@ -80,13 +89,7 @@ __attribute__((target("avx512f,avx512bf16"))) float dpbf16_chains(long iters) {
 #pragma GCC unroll 16
     for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], a, b);
   }
-  __m512 sum = acc[0];
-  for (int c = 1; c < kChains; ++c) sum = _mm512_add_ps(sum, acc[c]);
-  float lanes[16];
-  _mm512_storeu_ps(lanes, sum);
-  float total = 0.0f;
-  for (float x : lanes) total += x;
-  return total;
+  return sum_lanes(acc, kChains);
 }
 
 #endif  // __x86_64__
