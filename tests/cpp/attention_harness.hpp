@@ -46,7 +46,10 @@ struct AttnCase {
   std::string describe() const {
     auto list = [](const std::vector<int64_t>& v) {
       std::string s = "[";
-      for (size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
+      for (size_t i = 0; i < v.size(); ++i) {
+        if (i) s += ",";
+        s += std::to_string(v[i]);
+      }
       return s + "]";
     };
     std::string s = std::string(dtype_name(dtype)) + (varlen ? " varlen" : " dense");
