@@ -363,6 +363,17 @@ struct KvCacheInputs {
 // structs, e.g. to call the C ABI themselves)
 // ------------------------------------------------------------------------------------------------
 
+// Copies the varlen description into flare_fwd_params or flare_bwd_params (nothing when varlen is null).
+template <class Params>
+void set_varlen(Params& p, const Varlen* varlen) {
+  if (varlen == nullptr) return;
+  p.cu_seqlens_q = varlen->cu_seqlens_q.c();
+  p.cu_seqlens_k = varlen->cu_seqlens_k.c();
+  p.seqused_k = varlen->seqused_k.c();
+  p.max_seqlen_q = varlen->max_seqlen_q;
+  p.max_seqlen_k = varlen->max_seqlen_k;
+}
+
 inline flare_fwd_params forward_params(const TensorView& q, const TensorView& k, const TensorView& v,
                                        const TensorView& out, const TensorView& softmax_lse,
                                        const AttnOptions& attn, const ExecOptions& exec,
@@ -374,13 +385,7 @@ inline flare_fwd_params forward_params(const TensorView& q, const TensorView& k,
   p.v = v.c();
   p.out = out.c();
   p.softmax_lse = softmax_lse.c();
-  if (varlen != nullptr) {
-    p.cu_seqlens_q = varlen->cu_seqlens_q.c();
-    p.cu_seqlens_k = varlen->cu_seqlens_k.c();
-    p.seqused_k = varlen->seqused_k.c();
-    p.max_seqlen_q = varlen->max_seqlen_q;
-    p.max_seqlen_k = varlen->max_seqlen_k;
-  }
+  set_varlen(p, varlen);
   p.attn = attn.c();
   p.exec = exec.c();
   return p;
@@ -402,13 +407,7 @@ inline flare_bwd_params backward_params(const TensorView& q, const TensorView& k
   p.dq = dq.c();
   p.dk = dk.c();
   p.dv = dv.c();
-  if (varlen != nullptr) {
-    p.cu_seqlens_q = varlen->cu_seqlens_q.c();
-    p.cu_seqlens_k = varlen->cu_seqlens_k.c();
-    p.seqused_k = varlen->seqused_k.c();
-    p.max_seqlen_q = varlen->max_seqlen_q;
-    p.max_seqlen_k = varlen->max_seqlen_k;
-  }
+  set_varlen(p, varlen);
   p.deterministic = exec.deterministic ? 1 : 0;
   p.attn = attn.c();
   p.exec = exec.c();
