@@ -155,7 +155,9 @@ inline void backward_tile(const Problem& p, const Sequence& seq, int64_t h, int6
   transpose_tile<T>(t.s, Bq, Bk, Bk, t.pt, Bq);                                  // P^T (Bk x Bq)
   gemm_tile<T, true>(Bk, dvp, Bq, t.pt, Bq, dout, dvp, pk.dv + j0 * dvp, dvp);    // dV += P^T dO
   gemm_tile<T, false>(Bq, Bk, dv, dout, dvp, pk.vt + kb * Bk * dv, Bk, t.dp, Bk);  // dP = dO V^T
-  for (int64_t r = 0; r < Bq; ++r) {
+  for (int64_t r = rows; r < Bq; ++r)  // padding rows: dS = 0 (their tanh entries were never written)
+    for (int64_t c = 0; c < Bk; c += W) vstore(t.dp + r * Bk + c, V{});
+  for (int64_t r = 0; r < rows; ++r) {
     T* ds = t.dp + r * Bk;
     const T* pr = t.s + r * Bk;
     const T delta = pk.delta[i0 + r];
@@ -238,9 +240,13 @@ inline void backward_group(const Problem& p, const Sequence& seq, int64_t hk, co
     });
   }
   const RowPtr dkrows = key_rows(p, p.dk, seq, hk), dvrows = key_rows(p, p.dv, seq, hk);
-  team_loop<Shared>(seq.seqlen_k, [&](int64_t j) {
-    store_row<T>(pk.dk + j * dp, T(1), dkrows.row(j), p.dtype, p.headdim);
-    store_row<T>(pk.dv + j * ws.dvp, T(1), dvrows.row(j), p.dtype, p.headdim_v);
+  // Keys past seqused_k took no part: their gradients are 0.
+  constexpr int64_t kMaxHeaddim = 256;
+  static constexpr T kZeros[kMaxHeaddim] = {};
+  team_loop<Shared>(seq.stored_k, [&](int64_t j) {
+    const bool used = j < seq.seqlen_k;
+    store_row<T>(used ? pk.dk + j * dp : kZeros, T(1), dkrows.row(j), p.dtype, p.headdim);
+    store_row<T>(used ? pk.dv + j * ws.dvp : kZeros, T(1), dvrows.row(j), p.dtype, p.headdim_v);
   });
 }
 

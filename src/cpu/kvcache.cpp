@@ -17,19 +17,20 @@ using detail::Problem;
 
 constexpr int64_t kMaxHeaddim = 256;
 
-// Rotates x (headdim floats) in place by rotary row `pos`: halves (i, i + rd/2) or interleaved pairs.
-void rotate(const Problem& p, float* x, int64_t pos) {
+// Rotates x (headdim values) in place by rotary row `pos`: halves (i, i + rd/2) or interleaved pairs.
+// Computed in fp64 so that every storage dtype, fp64 included, is rounded once.
+void rotate(const Problem& p, double* x, int64_t pos) {
   const int64_t half = p.rotary_dim / 2;
   const int64_t es = dtype_size(p.dtype);
-  float cos_row[kMaxHeaddim / 2], sin_row[kMaxHeaddim / 2];
-  load_row<float>(static_cast<const char*>(p.rotary_cos) + pos * p.rotary_row_stride * es, p.dtype, cos_row,
-                  half, 1.0f);
-  load_row<float>(static_cast<const char*>(p.rotary_sin) + pos * p.rotary_row_stride * es, p.dtype, sin_row,
-                  half, 1.0f);
+  double cos_row[kMaxHeaddim / 2], sin_row[kMaxHeaddim / 2];
+  load_row<double>(static_cast<const char*>(p.rotary_cos) + pos * p.rotary_row_stride * es, p.dtype, cos_row,
+                   half, 1.0);
+  load_row<double>(static_cast<const char*>(p.rotary_sin) + pos * p.rotary_row_stride * es, p.dtype, sin_row,
+                   half, 1.0);
   for (int64_t c = 0; c < half; ++c) {
     const int64_t a = p.rotary_interleaved ? 2 * c : c;
     const int64_t b = p.rotary_interleaved ? 2 * c + 1 : c + half;
-    const float xa = x[a], xb = x[b];
+    const double xa = x[a], xb = x[b];
     x[a] = xa * cos_row[c] - xb * sin_row[c];
     x[b] = xb * cos_row[c] + xa * sin_row[c];
   }
@@ -57,13 +58,13 @@ Problem kvcache_prepare(const Problem& p, char* scratch) {
         const RowPtr kc = key_rows(p, p.k, seq, hk), vc = key_rows(p, p.v, seq, hk);
         const char* kn = static_cast<const char*>(p.k_new.data) + (b * p.k_new.batch_stride + hk * p.k_new.head_stride) * es;
         const char* vn = static_cast<const char*>(p.v_new.data) + (b * p.v_new.batch_stride + hk * p.v_new.head_stride) * es;
-        float row[kMaxHeaddim];
+        double row[kMaxHeaddim];
         for (int64_t i = 0; i < p.seqlen_new; ++i) {
           const char* ksrc = kn + i * p.k_new.row_stride * es;
           if (p.rotary_dim > 0) {
-            load_row<float>(ksrc, p.dtype, row, p.headdim, 1.0f);
+            load_row<double>(ksrc, p.dtype, row, p.headdim, 1.0);
             rotate(p, row, first + i);
-            store_row<float>(row, 1.0f, kc.row(first + i), p.dtype, p.headdim);
+            store_row<double>(row, 1.0, kc.row(first + i), p.dtype, p.headdim);
           } else {
             std::memcpy(kc.row(first + i), ksrc, p.headdim * es);
           }
@@ -86,11 +87,11 @@ Problem kvcache_prepare(const Problem& p, char* scratch) {
       const Sequence seq = sequence_of(p, b);
       const int64_t first = cached_len(p, b) - seq.leftpad;
       const RowPtr src = query_rows(p, p.q, seq, h), dst = query_rows(attend, attend.q, seq, h);
-      float row[kMaxHeaddim];
+      double row[kMaxHeaddim];
       for (int64_t i = 0; i < p.seqlen_q; ++i) {
-        load_row<float>(src.row(i), p.dtype, row, p.headdim, 1.0f);
+        load_row<double>(src.row(i), p.dtype, row, p.headdim, 1.0);
         rotate(p, row, first + (per_query ? i : 0));
-        store_row<float>(row, 1.0f, dst.row(i), p.dtype, p.headdim);
+        store_row<double>(row, 1.0, dst.row(i), p.dtype, p.headdim);
       }
     }
   }

@@ -34,6 +34,7 @@ struct Sequence {
   int64_t b = 0;
   int64_t seqlen_q = 0;
   int64_t seqlen_k = 0;
+  int64_t stored_k = 0;  // key rows the sequence owns in k/v (varlen: cu_seqlens_k span, >= seqused_k)
   int64_t q_token = 0;   // global token index of query 0 (varlen), else 0
   int64_t k_token = 0;   // global token index of key 0 (varlen), else 0
   int64_t cache_row = 0; // kv cache: the batch row of a dense cache
@@ -57,11 +58,14 @@ inline Sequence sequence_of(const Problem& p, int64_t b) {
     s.q_token = p.cu_seqlens_q[b];
     s.k_token = p.cu_seqlens_k[b];
     s.seqlen_q = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
-    s.seqlen_k = p.seqused_k ? p.seqused_k[b] : p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b];
+    s.stored_k = p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b];
+    s.seqlen_k = p.seqused_k ? p.seqused_k[b] : s.stored_k;
+    return s;
   } else {
     s.seqlen_q = p.seqlen_q;
     s.seqlen_k = p.seqlen_k;
   }
+  s.stored_k = s.seqlen_k;
   return s;
 }
 
