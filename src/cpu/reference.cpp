@@ -41,7 +41,7 @@ double resolved_scale(const Dims& dims, const Options& opts) {
 
 // Scores of query row i of head h against every key: raw[j] is the raw scaled dot product (needed for
 // the softcap derivative), score[j] the final score, -inf where masked. With rd set, every operation of
-// the score (each product and partial sum of q·k, the scale, softcap, ALiBi) is rounded by it.
+// the score (scale * q, each product and partial sum, softcap, ALiBi) is rounded by it.
 struct RowScores {
   std::vector<double> raw;
   std::vector<double> score;
@@ -58,13 +58,15 @@ void row_scores(const Dims& dims, const Options& opts, const Sequence& seq, int6
   for (int64_t j = 0; j < seq.seqlen_k; ++j) {
     if (!key_visible(opts, i, j, seq.seqlen_q, seq.seqlen_k)) continue;
     const double* kj = &seq.k[(j * dims.nheads_k + hk) * dims.headdim];
-    double dot = 0.0;
+    double s = 0.0;
     if (rd) {
-      for (int64_t c = 0; c < dims.headdim; ++c) dot = rd(dot + rd(qi[c] * kj[c]));
+      // The scale folded into q first, then a sequential sum: one plain way to form scores in the dtype.
+      for (int64_t c = 0; c < dims.headdim; ++c) s = rd(s + rd(rd(scale * qi[c]) * kj[c]));
     } else {
+      double dot = 0.0;
       for (int64_t c = 0; c < dims.headdim; ++c) dot += qi[c] * kj[c];
+      s = scale * dot;
     }
-    double s = apply_round(rd, scale * dot);
     rs.raw[j] = s;
     if (opts.softcap > 0.0) {
       s = apply_round(rd, opts.softcap * apply_round(rd, std::tanh(apply_round(rd, s / opts.softcap))));

@@ -64,9 +64,9 @@ struct Gradients {
 // Whether query i sees key j in a sequence of these lengths (the mask only; ALiBi and softcap aside).
 bool key_visible(const Options& opts, int64_t i, int64_t j, int64_t seqlen_q, int64_t seqlen_k);
 
-// round_scores (forward only) also rounds every operation that forms a score (each product and partial sum
-// of q·k, the scale, softcap and ALiBi): the model of scores computed in that dtype, for checks where
-// large scores make the output sensitive to their rounding.
+// round_scores (forward only) also rounds every operation that forms a score (scale * q, each product and
+// partial sum of the dot product, softcap and ALiBi): a model of scores computed in that dtype, for checks
+// where large scores make the output sensitive to their rounding.
 ForwardResult forward(const Dims& dims, const Options& opts, const Sequence& seq, RoundFn round = nullptr,
                       RoundFn round_scores = nullptr);
 

@@ -5,7 +5,8 @@
 // Tolerances
 //  - fp64: max|flare - ref| <= 1e-12 * max(1, max|ref|). The backward takes lse in fp32, so its fp64 check
 //    gives the reference that same fp32-rounded lse (reference::backward's given_lse).
-//  - fp32: max|flare - ref| <= tol * max(1, max|ref|), tol from the caller (1e-5 in the forward).
+//  - fp32: max|flare - ref| <= tol * max(1, max|ref|), tol from the caller (1e-5); in the forward, when
+//    large scores make that unreachable, 4x the error of an fp32 model of the scores (see expect_matches).
 //  - fp16/bf16: max|flare - ref| <= 2 * max|naive - ref| + atol, where "naive" is the reference run on the
 //    same rounded inputs but with P, the output and (backward) dP, dS rounded to the dtype, and atol is
 //    half a unit in the last place at max(1, max|ref|).
@@ -220,7 +221,9 @@ inline int32_t max_of(const std::vector<int64_t>& v) {
 
 // Checks got against ref by the dtype's rule (see the top of this file). naive() gives the same-dtype naive
 // result: always used for fp16/bf16; for fp32 only when the fixed tolerance is exceeded, as the allowance
-// of an ill-conditioned case (large scores), where it models fp32 scores (see reference::forward).
+// of an ill-conditioned case (large scores), where it models fp32 scores (see reference::forward). That
+// model is one fp32 summation order among many (flare sums in blocks, with FMA): over 70 seeds of
+// ForwardFeatures.LargeScoresStayFinite flare's max error reached 2.1x the model's, so fp32 allows 4x.
 inline void expect_matches(const char* what, flare_dtype dtype, const std::vector<double>& got,
                            const std::vector<double>& ref, const std::function<std::vector<double>()>& naive,
                            double fp32_tol, double fp64_tol = 1e-12) {
@@ -228,25 +231,25 @@ inline void expect_matches(const char* what, flare_dtype dtype, const std::vecto
   const double magnitude = std::max(1.0, err.max_ref);
   double bound = 0.0;
   std::string rule;
-  auto naive_bound = [&] {
+  auto naive_bound = [&](double factor) {
     const std::vector<double> model = naive();
     if (model.size() != ref.size()) {
       ADD_FAILURE() << what << ": the same-dtype naive result has " << model.size() << " entries, not " << ref.size();
       return 0.0;
     }
     const ErrorStats naive_err = compare(model, ref);
-    rule = "2 * same-dtype naive error " + std::to_string(naive_err.max_error) + " + atol";
-    return 2.0 * naive_err.max_error + 0.5 * unit_roundoff(dtype) * magnitude;
+    rule = std::to_string(factor) + " * same-dtype naive error " + std::to_string(naive_err.max_error) + " + atol";
+    return factor * naive_err.max_error + 0.5 * unit_roundoff(dtype) * magnitude;
   };
   if (is_low_precision(dtype)) {
-    bound = naive_bound();
+    bound = naive_bound(2.0);
   } else if (dtype == FLARE_DTYPE_F64) {
     bound = fp64_tol * magnitude;
     rule = "fp64 tol";
   } else {
     bound = fp32_tol * magnitude;
     rule = "fp32 tol";
-    if (err.max_error > bound && naive) bound = std::max(bound, naive_bound());
+    if (err.max_error > bound && naive) bound = std::max(bound, naive_bound(4.0));
   }
   if (std::getenv("FLARE_TEST_VERBOSE") != nullptr)
     std::printf("  %-12s %-5s error %.3e  bound %.3e  (%s)\n", what, dtype_name(dtype), err.max_error, bound, rule.c_str());
