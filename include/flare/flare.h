@@ -199,14 +199,15 @@ FLARE_API flare_status flare_bwd_workspace_size(const flare_bwd_params* params, 
  * cache_seqlens int32 (batch), optional: keys already in the cache per sequence (absent = seqlen_cache,
  *               or max_blocks * block_size when paged).
  * cache_batch_idx int32 (batch), optional (dense only): sequence b uses cache row cache_batch_idx[b].
- * cache_leftpad int32 (batch), optional: sequence b's keys start at position cache_leftpad[b]; positions
- *               (rotary, masks) count from there.
+ * cache_leftpad int32 (batch), optional: sequence b's keys start at cache slot cache_leftpad[b]; the
+ *               causal/window alignment counts keys from there.
  * k_new/v_new (batch, seqlen_new, nheads_k, headdim[_v]), optional together: written into the cache in place
  *               at positions cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1 (rotated first if rotary is
  *               given), then attended to. The cache must have room.
  * rotary_cos/rotary_sin (seqlen_ro, rotary_dim / 2), optional together, same dtype as q; rotary_dim even and
- *               <= headdim. k_new at key position p is rotated by row p. q is rotated by row p + i for query i
- *               when causal or windowed (p = first new key position), else all queries by row p.
+ *               <= headdim; cos and sin share one row stride. Positions are cache slots, as in FlashAttention
+ *               (cache_leftpad does not shift them): new key i is rotated by row cache_seqlens[b] + i; query i
+ *               by row cache_seqlens[b] + i when causal or windowed, else every query by row cache_seqlens[b].
  *               rotary_interleaved: rotate pairs (0,1),(2,3)... instead of halves (i, i + rotary_dim/2).
  * After the append, sequence b attends to keys [cache_leftpad[b], cache_seqlens[b] + seqlen_new) with the
  * options in attn (causal aligned bottom-right to that range). */

@@ -236,8 +236,8 @@ void check_kvcache_indices(const flare_kvcache_params& f, const CacheShape& c, c
       }
     }
     if (p.rotary_dim > 0) {
-      // Positions count from leftpad: the first appended key sits at position cache_len - leftpad.
-      const int64_t first = cache_len - leftpad;
+      // Rotary positions are cache slots (as in FlashAttention): the first appended key sits at cache_len.
+      const int64_t first = cache_len;
       int64_t rows = c.seqlen_new > 0 ? first + c.seqlen_new : 0;
       if (p.seqlen_q > 0) rows = std::max(rows, windowed ? first + p.seqlen_q : first + 1);
       if (rows > p.rotary_seqlen) {

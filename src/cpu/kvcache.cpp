@@ -48,13 +48,13 @@ size_t kvcache_extra_scratch(const Problem& p) {
 Problem kvcache_prepare(const Problem& p, char* scratch) {
   const int64_t es = dtype_size(p.dtype);
   const int nt = p.num_threads > 0 ? p.num_threads : omp_get_max_threads();
-  // Append: new key i of sequence b goes to logical position cache_len - leftpad + i.
+  // Append: new key i of sequence b goes to cache slot cache_len + i (logical row cache_len - leftpad + i).
   if (p.seqlen_new > 0) {
 #pragma omp parallel for collapse(2) schedule(static) num_threads(nt)
     for (int64_t b = 0; b < p.batch; ++b) {
       for (int64_t hk = 0; hk < p.nheads_k; ++hk) {
         const Sequence seq = sequence_of(p, b);
-        const int64_t first = cached_len(p, b) - seq.leftpad;
+        const int64_t first = cached_len(p, b) - seq.leftpad;  // logical row of the first new key
         const RowPtr kc = key_rows(p, p.k, seq, hk), vc = key_rows(p, p.v, seq, hk);
         const char* kn = static_cast<const char*>(p.k_new.data) + (b * p.k_new.batch_stride + hk * p.k_new.head_stride) * es;
         const char* vn = static_cast<const char*>(p.v_new.data) + (b * p.v_new.batch_stride + hk * p.v_new.head_stride) * es;
@@ -63,7 +63,7 @@ Problem kvcache_prepare(const Problem& p, char* scratch) {
           const char* ksrc = kn + i * p.k_new.row_stride * es;
           if (p.rotary_dim > 0) {
             load_row<double>(ksrc, p.dtype, row, p.headdim, 1.0);
-            rotate(p, row, first + i);
+            rotate(p, row, cached_len(p, b) + i);  // rotary positions are cache slots
             store_row<double>(row, 1.0, kc.row(first + i), p.dtype, p.headdim);
           } else {
             std::memcpy(kc.row(first + i), ksrc, p.headdim * es);
@@ -75,8 +75,8 @@ Problem kvcache_prepare(const Problem& p, char* scratch) {
   }
   if (p.rotary_dim == 0) return p;
 
-  // Rotary q into scratch, laid out (batch, seqlen_q, nheads, headdim). Query i sits at position
-  // cache_len - leftpad + i when causal or windowed, else every query at cache_len - leftpad.
+  // Rotary q into scratch, laid out (batch, seqlen_q, nheads, headdim). Query i sits at cache slot
+  // cache_len + i when causal or windowed, else every query at cache_len (FlashAttention's rule).
   Problem attend = p;
   char* q_rot = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(scratch) + 63) / 64 * 64);
   attend.q = {q_rot, p.seqlen_q * p.nheads * p.headdim, p.nheads * p.headdim, p.headdim};
@@ -85,7 +85,7 @@ Problem kvcache_prepare(const Problem& p, char* scratch) {
   for (int64_t b = 0; b < p.batch; ++b) {
     for (int64_t h = 0; h < p.nheads; ++h) {
       const Sequence seq = sequence_of(p, b);
-      const int64_t first = cached_len(p, b) - seq.leftpad;
+      const int64_t first = cached_len(p, b);
       const RowPtr src = query_rows(p, p.q, seq, h), dst = query_rows(attend, attend.q, seq, h);
       double row[kMaxHeaddim];
       for (int64_t i = 0; i < p.seqlen_q; ++i) {

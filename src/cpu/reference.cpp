@@ -231,7 +231,7 @@ ForwardResult kvcache(const Dims& dims, const Options& opts, const Rotary& rotar
   require(static_cast<int64_t>(seq.k_new.size()) == seq.seqlen_new * dims.nheads_k * dims.headdim &&
               static_cast<int64_t>(seq.v_new.size()) == seq.seqlen_new * dims.nheads_k * dims.headdim_v,
           "k_new/v_new have the wrong size");
-  const int64_t first_new = seq.cache_len - seq.leftpad;  // rotary position of the first new key
+  const int64_t first_new = seq.cache_len;  // rotary position (cache slot) of the first new key
   const bool windowed = opts.causal || opts.window_left >= 0 || opts.window_right >= 0;
 
   std::vector<double> q = seq.q;

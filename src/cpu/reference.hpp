@@ -103,9 +103,9 @@ struct KvCacheSequence {
 };
 
 // Appends k_new/v_new (k_new rotated) at slot cache_len, rotates q, then attends to the keys in slots
-// [leftpad, cache_len + seqlen_new). Rotary positions count from leftpad: slot s has position s - leftpad;
-// k_new row t sits at position p + t with p = cache_len - leftpad; query i uses row p + i when the mask is
-// causal or windowed, else row p.
+// [leftpad, cache_len + seqlen_new). Rotary positions are cache slots (FlashAttention's rule; leftpad does
+// not shift them): k_new row t sits at position p + t with p = cache_len; query i uses row p + i when the
+// mask is causal or windowed, else row p.
 ForwardResult kvcache(const Dims& dims, const Options& opts, const Rotary& rotary, KvCacheSequence& seq,
                       RoundFn round = nullptr);
 

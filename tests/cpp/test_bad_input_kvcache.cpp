@@ -336,17 +336,19 @@ TEST(BadInputKvCache, RotaryRowsTooFew) {
   c.params.rotary_cos.shape[0] = 7;
   c.params.rotary_sin.shape[0] = 7;
   expect_rejected(c, call_kvcache, kInvalid, {"rotary_cos has 7 rows", "sequence 1", "up to 7"});
-  // Positions count from cache_leftpad: with 3 left-padded keys sequence 1 needs rows up to 4 only.
+  // Positions are cache slots, as in FlashAttention: left padding does not lower the need.
   Tensor leftpad = Tensor::ints({0, 3});
   c.params.cache_leftpad = leftpad.view;
+  expect_rejected(c, call_kvcache, kInvalid, {"rotary_cos has 7 rows", "sequence 1", "up to 7"});
+  c.params.rotary_cos.shape[0] = 8;
+  c.params.rotary_sin.shape[0] = 8;
   EXPECT_EQ(c.run(), FLARE_OK) << flare_last_error();
-  // Causal queries are rotated at their own positions: sequence 1's last query sits at 6 - 3 + 2 = 5, but
-  // sequence 0's at 4 + 2 = 6, within 7 rows; with 6 rows it is not.
+  // Causal queries are rotated at their own slots: sequence 1's last query sits at 6 + 2 = 8.
   c.params.attn.causal = 1;
+  expect_rejected(c, call_kvcache, kInvalid, {"rotary_cos has 8 rows", "sequence 1", "up to 8"});
+  c.params.rotary_cos.shape[0] = 9;
+  c.params.rotary_sin.shape[0] = 9;
   EXPECT_EQ(c.run(), FLARE_OK) << flare_last_error();
-  c.params.rotary_cos.shape[0] = 6;
-  c.params.rotary_sin.shape[0] = 6;
-  expect_rejected(c, call_kvcache, kInvalid, {"rotary_cos has 6 rows", "sequence 0", "up to 6"});
 }
 
 TEST(BadInputKvCache, Options) {

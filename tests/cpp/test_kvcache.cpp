@@ -312,7 +312,7 @@ TEST(KvCache, Leftpad) {
     c.seqlen_new = 3;
     c.causal = true;
     check_kvcache(c, rng);
-    c.rotary_dim = 32;  // positions count from the left pad
+    c.rotary_dim = 32;  // rotary positions are cache slots, not shifted by the left pad
     check_kvcache(c, rng);
   }
 }
