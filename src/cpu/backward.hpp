@@ -38,7 +38,7 @@ struct BackwardScratch {
   };
   struct PerThread {
     Pack* pack;
-    T *dq, *s, *dp, *pt, *tanh;
+    T *dq, *s, *dp, *tanh;  // dQ accumulator (whole sequence), then tiles: P, dP/dS, tanh of softcap
   };
   PerThread* threads = nullptr;
 
@@ -59,7 +59,7 @@ struct BackwardScratch {
     for (int t = 0; t < nt; ++t) {
       const int64_t tile = Tiles::kBq * Tiles::kBk;
       PerThread pt{pack ? &pack[t < packs ? t : 0] : nullptr, a.take<T>(nq * dp), a.take<T>(tile),
-                   a.take<T>(tile), a.take<T>(tile), a.take<T>(tile)};
+                   a.take<T>(tile), a.take<T>(tile)};
       if (threads) threads[t] = pt;
     }
   }
@@ -145,15 +145,15 @@ inline void backward_tile(const Problem& p, const Sequence& seq, int64_t h, int6
   shape.softcap = p.score.softcap;
   shape.alibi = p.score.alibi_slopes != nullptr;
   shape.slope = alibi_slope(p, seq, h);
-  shape_scores<T>(t.s, Bk, rows, Bk, i0, j0, mask, shape, t.tanh);
+  if (shape.softcap > 0 || shape.alibi || !block_fully_visible(mask, i0, rows, j0, Bk))
+    shape_scores<T>(t.s, Bk, rows, Bk, i0, j0, mask, shape, t.tanh);
   // Masked keys (including those past the sequence end) are -inf; rows past the end have lse = +inf.
   for (int64_t r = 0; r < Bq; ++r) {
     T* srow = t.s + r * Bk;
     const T lse = pk.lse[i0 + r];
     for (int64_t c = 0; c < Bk; c += W) vstore(srow + c, vexp(vload(srow + c) - lse));
   }
-  transpose_tile<T>(t.s, Bq, Bk, Bk, t.pt, Bq);                                  // P^T (Bk x Bq)
-  gemm_tile<T, true>(Bk, dvp, Bq, t.pt, Bq, dout, dvp, pk.dv + j0 * dvp, dvp);    // dV += P^T dO
+  gemm_tile<T, true, true>(Bk, dvp, Bq, t.s, Bk, dout, dvp, pk.dv + j0 * dvp, dvp);   // dV += P^T dO
   gemm_tile<T, false>(Bq, Bk, dv, dout, dvp, pk.vt + kb * Bk * dv, Bk, t.dp, Bk);  // dP = dO V^T
   for (int64_t r = rows; r < Bq; ++r)  // padding rows: dS = 0 (their tanh entries were never written)
     for (int64_t c = 0; c < Bk; c += W) vstore(t.dp + r * Bk + c, V{});
@@ -171,8 +171,7 @@ inline void backward_tile(const Problem& p, const Sequence& seq, int64_t h, int6
       for (int64_t c = 0; c < Bk; c += W) vstore(ds + c, vload(pr + c) * (vload(ds + c) - delta));
     }
   }
-  transpose_tile<T>(t.dp, Bq, Bk, Bk, t.pt, Bq);                                 // dS^T (Bk x Bq)
-  gemm_tile<T, true>(Bk, dp, Bq, t.pt, Bq, q, dp, pk.dk + j0 * dp, dp);          // dK += dS^T Q
+  gemm_tile<T, true, true>(Bk, dp, Bq, t.dp, Bk, q, dp, pk.dk + j0 * dp, dp);        // dK += dS^T Q
   gemm_tile<T, true>(Bq, dp, Bk, t.dp, Bk, pk.k + j0 * dp, dp, t.dq + i0 * dp, dp);  // dQ += dS K
 }
 

@@ -24,7 +24,7 @@ namespace flare::cpu::FLARE_ISA {
 template <class T>
 struct ForwardTiles {
   static constexpr int64_t kBq = 64;  // query rows per tile (multiple of GemmShape::kRows)
-  static constexpr int64_t kBk = 64;  // keys per block (multiple of every W)
+  static constexpr int64_t kBk = 128;  // keys per block (multiple of every W)
 };
 
 inline int64_t max_keys(const Problem& p) {

@@ -56,7 +56,7 @@ inline void amx_configure() {
 constexpr int64_t kTileElems = 16 * 32;  // bf16 elements in one 16 x 64-byte tile
 
 struct AmxForward {
-  static constexpr int64_t kBq = 64, kBk = 64;
+  static constexpr int64_t kBq = 64, kBk = 128;
 
   struct Scratch {
     int64_t dpad = 0, dvpad = 0, nchunks = 0, ncol16 = 0;

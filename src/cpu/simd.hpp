@@ -58,17 +58,28 @@ inline vec_t<T> viota() {
   for (int i = 0; i < Simd<T>::W; ++i) v[i] = static_cast<T>(i);
   return v;
 }
+// Horizontal sum and max by halving: log2(W) vector steps instead of W - 1 dependent scalar ones.
+template <class V, class Op>
+inline auto reduce_lanes(V v, Op op) {
+  using T = std::remove_cvref_t<decltype(v[0])>;
+  constexpr size_t n = sizeof(V) / sizeof(T);
+  if constexpr (n == 1) {
+    return v[0];
+  } else {
+    typedef T H __attribute__((vector_size(sizeof(V) / 2)));
+    H lo, hi;
+    std::memcpy(&lo, &v, sizeof(H));
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(H), sizeof(H));
+    return reduce_lanes(op(lo, hi), op);
+  }
+}
 template <class V>
 inline auto hsum(V v) {
-  auto s = v[0];
-  for (size_t i = 1; i < sizeof(V) / sizeof(s); ++i) s += v[i];
-  return s;
+  return reduce_lanes(v, [](auto a, auto b) { return a + b; });
 }
 template <class V>
 inline auto hmax(V v) {
-  auto m = v[0];
-  for (size_t i = 1; i < sizeof(V) / sizeof(m); ++i) m = v[i] > m ? v[i] : m;
-  return m;
+  return reduce_lanes(v, [](auto a, auto b) { return a > b ? a : b; });
 }
 
 template <class T> inline T smin(T a, T b) { return a < b ? a : b; }
@@ -77,31 +88,50 @@ template <class T> inline T smax(T a, T b) { return a > b ? a : b; }
 inline constexpr float kNegInf = -__builtin_inff();
 
 // exp(x) for float lanes: x = n*ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial (relative error
-// < 2e-7), 2^n by building the exponent bits. Lanes below the fp32 range (and -inf) give exactly 0.
-inline vec_t<float> vexp(vec_t<float> x) {
-  using V = vec_t<float>;
-  using VI = typename Simd<float>::VI;
-  constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2Hi = 0.693359375f;      // ln 2 split so that n * kLn2Hi is exact
-  constexpr float kLn2Lo = -2.12194440e-4f;
-  constexpr float kMaxArg = 88.3762626647949f;
-  constexpr float kMinArg = -87.3365447505531f;  // exp(kMinArg) is the smallest normal float
-  const V xc = vmin(vmax(x, vset(kMinArg)), vset(kMaxArg));
-  const V n = __builtin_convertvector(__builtin_convertvector(xc * kLog2e + (xc >= 0 ? 0.5f : -0.5f), VI), V);
-  const V r = (xc - n * kLn2Hi) - n * kLn2Lo;
-  V p = vset(1.0f / 720.0f);
-  p = p * r + 1.0f / 120.0f;
+// < 2e-7), times 2^n. Lanes below the fp32 normal range (and -inf) give exactly 0.
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;  // ln 2 split so that n * kLn2Hi is exact
+constexpr float kLn2Lo = -2.12194440e-4f;
+constexpr float kExpMaxArg = 88.3762626647949f;
+constexpr float kExpMinArg = -87.3365447505531f;  // exp(kExpMinArg) is the smallest normal float
+
+template <class V>
+inline V exp_reduced_poly(V r) {  // exp(r) for |r| <= ln2/2
+  V p = r * (1.0f / 720.0f) + 1.0f / 120.0f;
   p = p * r + 1.0f / 24.0f;
   p = p * r + 1.0f / 6.0f;
   p = p * r + 0.5f;
   p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  return p * r + 1.0f;
+}
+
+#if defined(__AVX512F__) && FLARE_VEC_BYTES == 64
+// AVX-512: round with vrndscaleps and rebuild 2^n with vscalefps, which also zeroes the underflow lanes.
+// (Masked intrinsic forms with explicit pass-through: GCC 12 warns on the unmasked ones' undefined operand.)
+inline vec_t<float> vexp(vec_t<float> x) {
+  using V = vec_t<float>;
+  const V xc = vmin(vmax(x, vset(kExpMinArg)), vset(kExpMaxArg));
+  const __m512 t = static_cast<__m512>(xc * kLog2e);
+  const V n = static_cast<V>(_mm512_mask_roundscale_ps(t, 0xffff, t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const V p = exp_reduced_poly((xc - n * kLn2Hi) - n * kLn2Lo);
+  const __mmask16 in_range = _mm512_cmp_ps_mask(static_cast<__m512>(x), _mm512_set1_ps(kExpMinArg), _CMP_GE_OQ);
+  return static_cast<V>(_mm512_maskz_scalef_ps(in_range, static_cast<__m512>(p), static_cast<__m512>(n)));
+}
+#else
+inline vec_t<float> vexp(vec_t<float> x) {
+  using V = vec_t<float>;
+  using VI = typename Simd<float>::VI;
+  const V xc = vmin(vmax(x, vset(kExpMinArg)), vset(kExpMaxArg));
+  const V n = __builtin_convertvector(__builtin_convertvector(xc * kLog2e + (xc >= 0 ? 0.5f : -0.5f), VI), V);
+  const V r = (xc - n * kLn2Hi) - n * kLn2Lo;
+  const V p = exp_reduced_poly(r);
   const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
   V scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   const V y = p * scale;
-  return x < kMinArg ? V{} : y;
+  return x < kExpMinArg ? V{} : y;
 }
+#endif
 
 // Double lanes: computed per lane with the C library (fp64 is the checking dtype, not a speed path).
 inline vec_t<double> vexp(vec_t<double> x) {

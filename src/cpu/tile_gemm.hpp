@@ -1,7 +1,8 @@
 // tile_gemm.hpp — the register-blocked matrix products every CPU pass is made of.
 //
 // C (M x N) = A (M x K) * B (K x N), or C += A * B, for small tiles that live in L1/L2. A is row-major with
-// leading dimension lda; B is row-major (K rows of N) with leading dimension ldb; C likewise with ldc.
+// leading dimension lda (or, with TransA, stored as its transpose: K rows of M, so Aᵀ products need no
+// transposed copy); B is row-major (K rows of N) with leading dimension ldb; C likewise with ldc.
 // Callers pad: M is a multiple of kRows and N a multiple of the vector width W (padding holds zeros or is
 // ignored), so the inner loop never branches. The micro-kernel keeps a kRows x (kCols * W) block of C in
 // registers, broadcasting one A element per row and loading kCols vectors of B per step of K.
@@ -19,7 +20,7 @@ struct GemmShape {
   static constexpr int kCols = 4;  // vectors
 };
 
-template <class T, int R, int NV, bool Accumulate>
+template <class T, int R, int NV, bool Accumulate, bool TransA = false>
 inline void gemm_micro(const T* __restrict a, int64_t lda, const T* __restrict b, int64_t ldb,
                        T* __restrict c, int64_t ldc, int64_t k_len) {
   using V = vec_t<T>;
@@ -35,7 +36,7 @@ inline void gemm_micro(const T* __restrict a, int64_t lda, const T* __restrict b
     for (int v = 0; v < NV; ++v) bv[v] = vload(b + k * ldb + v * W);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const V av = vset(a[r * lda + k]);
+      const V av = vset(TransA ? a[k * lda + r] : a[r * lda + k]);
 #pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) acc[r][v] += av * bv[v];
     }
@@ -47,36 +48,28 @@ inline void gemm_micro(const T* __restrict a, int64_t lda, const T* __restrict b
 }
 
 // Runs the micro-kernel over an M x N tile; N may end with a narrower panel (fewer than kCols vectors).
-template <class T, bool Accumulate>
+template <class T, bool Accumulate, bool TransA = false>
 inline void gemm_tile(int64_t m, int64_t n, int64_t k_len, const T* a, int64_t lda, const T* b, int64_t ldb,
                       T* c, int64_t ldc) {
+  // Row `row` of A starts at a + row * lda, or at column `row` of the stored transpose.
+  const auto a_rows = [&](int64_t row) { return TransA ? a + row : a + row * lda; };
   constexpr int R = GemmShape<T>::kRows;
   constexpr int NV = GemmShape<T>::kCols;
   constexpr int W = Simd<T>::W;
   int64_t col = 0;
   for (; col + NV * W <= n; col += NV * W)
     for (int64_t row = 0; row < m; row += R)
-      gemm_micro<T, R, NV, Accumulate>(a + row * lda, lda, b + col, ldb, c + row * ldc + col, ldc, k_len);
+      gemm_micro<T, R, NV, Accumulate, TransA>(a_rows(row), lda, b + col, ldb, c + row * ldc + col, ldc, k_len);
   const int64_t rest = (n - col) / W;
   for (int64_t row = 0; row < m && rest > 0; row += R) {
-    const T* ar = a + row * lda;
+    const T* ar = a_rows(row);
     T* cr = c + row * ldc + col;
     switch (rest) {
-      case 1: gemm_micro<T, R, 1, Accumulate>(ar, lda, b + col, ldb, cr, ldc, k_len); break;
-      case 2: gemm_micro<T, R, 2, Accumulate>(ar, lda, b + col, ldb, cr, ldc, k_len); break;
-      default: gemm_micro<T, R, 3, Accumulate>(ar, lda, b + col, ldb, cr, ldc, k_len); break;
+      case 1: gemm_micro<T, R, 1, Accumulate, TransA>(ar, lda, b + col, ldb, cr, ldc, k_len); break;
+      case 2: gemm_micro<T, R, 2, Accumulate, TransA>(ar, lda, b + col, ldb, cr, ldc, k_len); break;
+      default: gemm_micro<T, R, 3, Accumulate, TransA>(ar, lda, b + col, ldb, cr, ldc, k_len); break;
     }
   }
-}
-
-// dst (cols x rows, leading dimension ld_dst) = transpose of src (rows x cols, leading dimension ld_src).
-template <class T>
-inline void transpose_tile(const T* src, int64_t rows, int64_t cols, int64_t ld_src, T* dst, int64_t ld_dst) {
-  constexpr int64_t kBlock = 8;
-  for (int64_t r0 = 0; r0 < rows; r0 += kBlock)
-    for (int64_t c0 = 0; c0 < cols; c0 += kBlock)
-      for (int64_t c = c0; c < smin(c0 + kBlock, cols); ++c)
-        for (int64_t r = r0; r < smin(r0 + kBlock, rows); ++r) dst[c * ld_dst + r] = src[r * ld_src + c];
 }
 
 }  // namespace flare::cpu::FLARE_ISA
