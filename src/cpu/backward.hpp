@@ -175,10 +175,61 @@ inline void backward_tile(const Problem& p, const Sequence& seq, int64_t h, int6
   gemm_tile<T, true>(Bq, dp, Bk, t.dp, Bk, pk.k + j0 * dp, dp, t.dq + i0 * dp, dp);  // dQ += dS K
 }
 
+// The fp32/fp64 FMA engine: what run_backward needs from a compute path.
 template <class T>
+struct FmaBackward {
+  using Scratch = BackwardScratch<T>;
+  static constexpr int64_t kBq = BackwardTiles<T>::kBq, kBk = BackwardTiles<T>::kBk;
+  static void thread_begin() {}
+  static void thread_end() {}
+  static void pack_keys(const Problem& p, const Sequence& seq, int64_t hk, int64_t kb, const Scratch& ws, int tid) {
+    pack_backward_keys<T>(p, key_rows(p, p.k, seq, hk), key_rows(p, p.v, seq, hk), seq.seqlen_k, kb, ws,
+                          ws.threads[tid]);
+  }
+  static void pack_queries(const Problem& p, const Sequence& seq, int64_t h, int64_t qt, const Scratch& ws,
+                           int tid) {
+    pack_backward_queries<T>(p, seq, h, qt, ws, ws.threads[tid]);
+  }
+  static void clear_dq(const Sequence& seq, const Scratch& ws, int tid) {
+    using V = vec_t<T>;
+    constexpr int W = Simd<T>::W;
+    const int64_t n = round_up(seq.seqlen_q, kBq) * ws.dp;
+    for (int64_t x = 0; x < n; x += W) vstore(ws.threads[tid].dq + x, V{});
+  }
+  static void tile(const Problem& p, const Sequence& seq, int64_t h, int64_t kb, int64_t qt, const Scratch& ws,
+                   int tid) {
+    backward_tile<T>(p, seq, h, kb, qt, ws, ws.threads[tid]);
+  }
+  // dq row i = scale * (this thread's dQ, or with Shared the sum of the team's buffers in thread order).
+  template <bool Shared>
+  static void write_dq(const Problem& p, const RowPtr& dqrows, int64_t i, const Scratch& ws, int tid, int nt) {
+    constexpr int W = Simd<T>::W;
+    T* acc = ws.threads[tid].dq + i * ws.dp;
+    if constexpr (Shared) {
+      acc = ws.threads[0].dq + i * ws.dp;
+      for (int other = 1; other < nt; ++other) {
+        const T* src = ws.threads[other].dq + i * ws.dp;
+        for (int64_t c = 0; c < ws.dp; c += W) vstore(acc + c, vload(acc + c) + vload(src + c));
+      }
+    }
+    store_row<T>(acc, static_cast<T>(p.score.scale), dqrows.row(i), p.dtype, p.headdim);
+  }
+  // dk/dv row j; keys past seqused_k took no part: their gradients are 0.
+  static void write_dkdv(const Problem& p, const Sequence& seq, const RowPtr& dkrows, const RowPtr& dvrows,
+                         int64_t j, const Scratch& ws, int tid) {
+    constexpr int64_t kMaxHeaddim = 256;
+    static constexpr T kZeros[kMaxHeaddim] = {};
+    const auto& pk = *ws.threads[tid].pack;
+    const bool used = j < seq.seqlen_k;
+    store_row<T>(used ? pk.dk + j * ws.dp : kZeros, T(1), dkrows.row(j), p.dtype, p.headdim);
+    store_row<T>(used ? pk.dv + j * ws.dvp : kZeros, T(1), dvrows.row(j), p.dtype, p.headdim_v);
+  }
+};
+
+template <class Engine>
 inline size_t backward_scratch_bytes(const Problem& p, int nt) {
   Arena a;
-  BackwardScratch<T> ws;
+  typename Engine::Scratch ws;
   ws.layout(a, p, nt);
   return a.used();
 }
@@ -199,74 +250,53 @@ inline void team_loop(int64_t n, F f) {
 }
 
 // The whole backward of one (sequence, kv head) group, by the team (Shared) or by one thread.
-template <class T, bool Shared>
-inline void backward_group(const Problem& p, const Sequence& seq, int64_t hk, const BackwardScratch<T>& ws,
+template <class Engine, bool Shared>
+inline void backward_group(const Problem& p, const Sequence& seq, int64_t hk, const typename Engine::Scratch& ws,
                            int tid, int nt) {
-  using V = vec_t<T>;
-  constexpr int W = Simd<T>::W;
-  constexpr int64_t Bq = BackwardTiles<T>::kBq, Bk = BackwardTiles<T>::kBk;
-  const auto& mine = ws.threads[tid];
-  const auto& pk = *mine.pack;
-  const int64_t group = p.nheads / p.nheads_k, dp = ws.dp;
+  constexpr int64_t Bq = Engine::kBq, Bk = Engine::kBk;
+  const int64_t group = p.nheads / p.nheads_k;
   const policy::WindowMask mask = seq.mask(p);
   const int64_t nkb = (seq.seqlen_k + Bk - 1) / Bk, nqb = (seq.seqlen_q + Bq - 1) / Bq;
-  const RowPtr krows = key_rows(p, p.k, seq, hk), vrows = key_rows(p, p.v, seq, hk);
-  team_loop<Shared>(nkb, [&](int64_t kb) { pack_backward_keys<T>(p, krows, vrows, seq.seqlen_k, kb, ws, mine); });
+  team_loop<Shared>(nkb, [&](int64_t kb) { Engine::pack_keys(p, seq, hk, kb, ws, tid); });
   for (int64_t g = 0; g < group; ++g) {
     const int64_t h = hk * group + g;
-    team_loop<Shared>(nqb, [&](int64_t qt) { pack_backward_queries<T>(p, seq, h, qt, ws, mine); });
-    for (int64_t x = 0; x < nqb * Bq * dp; x += W) vstore(mine.dq + x, V{});
+    team_loop<Shared>(nqb, [&](int64_t qt) { Engine::pack_queries(p, seq, h, qt, ws, tid); });
+    Engine::clear_dq(seq, ws, tid);
     // Round-robin blocks: under a causal mask late key blocks have fewer queries.
     team_loop<Shared, true>(nkb, [&](int64_t kb) {
       const policy::KeyRange queries = mask.queries_of_keys(kb * Bk, smin((kb + 1) * Bk, seq.seqlen_k));
       const int64_t first = smax<int64_t>(queries.first, 0);
       const int64_t last = smin<int64_t>(queries.last, seq.seqlen_q - 1);
-      for (int64_t qt = first / Bq; first <= last && qt <= last / Bq; ++qt)
-        backward_tile<T>(p, seq, h, kb, qt, ws, mine);
+      for (int64_t qt = first / Bq; first <= last && qt <= last / Bq; ++qt) Engine::tile(p, seq, h, kb, qt, ws, tid);
     });
-    // dq = scale * (sum of the team's buffers, in thread order).
     const RowPtr dqrows = query_rows(p, p.dq, seq, h);
-    team_loop<Shared>(seq.seqlen_q, [&](int64_t i) {
-      T* acc = mine.dq + i * dp;
-      if constexpr (Shared) {
-        acc = ws.threads[0].dq + i * dp;
-        for (int other = 1; other < nt; ++other) {
-          const T* src = ws.threads[other].dq + i * dp;
-          for (int64_t c = 0; c < dp; c += W) vstore(acc + c, vload(acc + c) + vload(src + c));
-        }
-      }
-      store_row<T>(acc, static_cast<T>(p.score.scale), dqrows.row(i), p.dtype, p.headdim);
-    });
+    team_loop<Shared>(seq.seqlen_q, [&](int64_t i) { Engine::template write_dq<Shared>(p, dqrows, i, ws, tid, nt); });
   }
   const RowPtr dkrows = key_rows(p, p.dk, seq, hk), dvrows = key_rows(p, p.dv, seq, hk);
-  // Keys past seqused_k took no part: their gradients are 0.
-  constexpr int64_t kMaxHeaddim = 256;
-  static constexpr T kZeros[kMaxHeaddim] = {};
-  team_loop<Shared>(seq.stored_k, [&](int64_t j) {
-    const bool used = j < seq.seqlen_k;
-    store_row<T>(used ? pk.dk + j * dp : kZeros, T(1), dkrows.row(j), p.dtype, p.headdim);
-    store_row<T>(used ? pk.dv + j * ws.dvp : kZeros, T(1), dvrows.row(j), p.dtype, p.headdim_v);
-  });
+  team_loop<Shared>(seq.stored_k, [&](int64_t j) { Engine::write_dkdv(p, seq, dkrows, dvrows, j, ws, tid); });
 }
 
-template <class T>
-inline void backward_impl(const Problem& p, void* scratch, int nt) {
+template <class Engine>
+inline void run_backward(const Problem& p, void* scratch, int nt) {
   Arena arena(scratch);
-  BackwardScratch<T> ws;
+  typename Engine::Scratch ws;
   ws.layout(arena, p, nt);
   const bool private_groups = use_private_groups(p, nt);
 
 #pragma omp parallel num_threads(nt)
   {
     const int tid = omp_get_thread_num();
+    Engine::thread_begin();
     if (private_groups) {
 #pragma omp for schedule(dynamic, 1) collapse(2)
       for (int64_t b = 0; b < p.batch; ++b)
-        for (int64_t hk = 0; hk < p.nheads_k; ++hk) backward_group<T, false>(p, sequence_of(p, b), hk, ws, tid, nt);
+        for (int64_t hk = 0; hk < p.nheads_k; ++hk)
+          backward_group<Engine, false>(p, sequence_of(p, b), hk, ws, tid, nt);
     } else {
       for (int64_t b = 0; b < p.batch; ++b)
-        for (int64_t hk = 0; hk < p.nheads_k; ++hk) backward_group<T, true>(p, sequence_of(p, b), hk, ws, tid, nt);
+        for (int64_t hk = 0; hk < p.nheads_k; ++hk) backward_group<Engine, true>(p, sequence_of(p, b), hk, ws, tid, nt);
     }
+    Engine::thread_end();
   }
 }
 

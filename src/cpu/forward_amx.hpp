@@ -7,53 +7,10 @@
 // Tiles are 16 rows x 64 bytes; a 32 x 32 block of C uses four accumulators, two A and two B tiles.
 #pragma once
 
-#include <immintrin.h>
-
+#include "cpu/amx.hpp"
 #include "cpu/forward.hpp"
 
 namespace flare::cpu::FLARE_ISA {
-
-// Tile register numbers. Tile instructions encode them as immediates, so the wrappers below take them as
-// template arguments (GCC's _tile_* macros would paste the enum's name, not its value, into the assembly).
-enum AmxTile : int { kC00 = 0, kC01 = 1, kC10 = 2, kC11 = 3, kA0 = 4, kA1 = 5, kB0 = 6, kB1 = 7 };
-
-template <int T>
-inline void tile_zero() {
-  asm volatile("tilezero %%tmm%c0" ::"i"(T));
-}
-template <int T>
-inline void tile_load(const void* base, int64_t stride_bytes) {
-  asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(base), "r"(stride_bytes), "i"(T) : "memory");
-}
-template <int T>
-inline void tile_store(void* base, int64_t stride_bytes) {
-  asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(base), "r"(stride_bytes), "i"(T) : "memory");
-}
-// C += A * B with bf16 pairs accumulated in fp32.
-template <int C, int A, int B>
-inline void tile_dot_bf16() {
-  asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
-}
-
-struct alignas(64) AmxTileConfig {
-  uint8_t palette;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-inline void amx_configure() {
-  AmxTileConfig cfg{};
-  cfg.palette = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
-
-constexpr int64_t kTileElems = 16 * 32;  // bf16 elements in one 16 x 64-byte tile
 
 struct AmxForward {
   static constexpr int64_t kBq = 64, kBk = 128;

@@ -1,8 +1,8 @@
 // isa_amx.cpp — the CPU kernels for processors with AMX-BF16 (AVX-512 plus tile units); flags per file in
-// src/CMakeLists.txt. bf16 forward runs on tiles; every other pass and dtype uses the AVX-512 FMA engine.
+// src/CMakeLists.txt. bf16 forward and backward run on tiles; other dtypes use the AVX-512 FMA engines.
 #define FLARE_ISA amx
 #define FLARE_VEC_BYTES 64
-#include "cpu/backward.hpp"
+#include "cpu/backward_amx.hpp"
 #include "cpu/forward_amx.hpp"
 #include "cpu/isa_kernels.hpp"
 
@@ -23,14 +23,17 @@ void forward(const detail::Problem& p, void* scratch, int threads) {
   }
 }
 size_t backward_scratch(const detail::Problem& p, int threads) {
-  return p.dtype == FLARE_DTYPE_F64 ? backward_scratch_bytes<double>(p, threads)
-                                    : backward_scratch_bytes<float>(p, threads);
+  switch (p.dtype) {
+    case FLARE_DTYPE_BF16: return backward_scratch_bytes<AmxBackward>(p, threads);
+    case FLARE_DTYPE_F64: return backward_scratch_bytes<FmaBackward<double>>(p, threads);
+    default: return backward_scratch_bytes<FmaBackward<float>>(p, threads);
+  }
 }
 void backward(const detail::Problem& p, void* scratch, int threads) {
-  if (p.dtype == FLARE_DTYPE_F64) {
-    backward_impl<double>(p, scratch, threads);
-  } else {
-    backward_impl<float>(p, scratch, threads);
+  switch (p.dtype) {
+    case FLARE_DTYPE_BF16: run_backward<AmxBackward>(p, scratch, threads); break;
+    case FLARE_DTYPE_F64: run_backward<FmaBackward<double>>(p, scratch, threads); break;
+    default: run_backward<FmaBackward<float>>(p, scratch, threads); break;
   }
 }
 

@@ -61,4 +61,47 @@ inline void shape_scores(T* s, int64_t ld, int64_t rows, int64_t cols, int64_t i
   }
 }
 
+
+// The same shaping on a keys-major tile (the backward's Sᵀ): row r is key j0 + r, column c is query i0 + c.
+// Keys at or past seqlen_k are masked whole.
+template <class T>
+inline void shape_scores_keys_major(T* s, int64_t ld, int64_t rows, int64_t cols, int64_t i0, int64_t j0,
+                                    const policy::WindowMask& mask, const ScoreShape& shape, T* tanh_out) {
+  using V = vec_t<T>;
+  constexpr int W = Simd<T>::W;
+  const V iota = viota<T>();
+  const T inv_cap = shape.softcap > 0 ? T(1) / T(shape.softcap) : T(0);
+  const T neg_inf = static_cast<T>(kNegInf);
+  for (int64_t r = 0; r < rows; ++r) {
+    T* row = s + r * ld;
+    const int64_t j = j0 + r;
+    if (shape.softcap > 0) {
+      T* trow = tanh_out ? tanh_out + r * ld : nullptr;
+      for (int64_t c = 0; c < cols; c += W) {
+        const V t = vtanh<T>(vload(row + c) * inv_cap);
+        if (trow) vstore(trow + c, t);
+        vstore(row + c, t * T(shape.softcap));
+      }
+    }
+    if (shape.alibi) {
+      const T slope = static_cast<T>(shape.slope);
+      const T diag0 = static_cast<T>(mask.diagonal(i0) - j);  // diagonal(i0 + c) - j = diag0 + c
+      for (int64_t c = 0; c < cols; c += W) {
+        const V dist = iota + (diag0 + static_cast<T>(c));
+        vstore(row + c, vload(row + c) - slope * (dist < 0 ? -dist : dist));
+      }
+    }
+    policy::KeyRange queries = mask.queries_of_keys(j, j + 1);
+    if (j >= mask.seqlen_k) queries = {1, 0};
+    if (queries.first > i0 || queries.last < i0 + cols - 1) {
+      const T first = static_cast<T>(queries.first - i0);
+      const T last = static_cast<T>(queries.last - i0);
+      for (int64_t c = 0; c < cols; c += W) {
+        const V i = iota + static_cast<T>(c);
+        vstore(row + c, (i < first) | (i > last) ? vset<T>(neg_inf) : vload(row + c));
+      }
+    }
+  }
+}
+
 }  // namespace flare::cpu::FLARE_ISA

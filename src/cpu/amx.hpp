@@ -1,0 +1,114 @@
+// amx.hpp — AMX tile primitives (Intel Sapphire Rapids and later): tile configuration, named tile
+// registers, loads/stores/dot products, the VNNI packing of B operands and one blocked product on top.
+// Included only by the AMX translation unit (isa_amx.cpp, compiled with -mamx-tile -mamx-bf16).
+//
+// Layouts. A operands are bf16 rows (16 rows x 32 elements per tile, any stride). B operands of a K x N
+// product are stored as "VNNI" tiles: tile (n_group, k_chunk) covers n in [16 n_group, +16) and k in
+// [32 k_chunk, +32), laid out [k / 2][n][k % 2] (512 bf16), and tiles are stored n_group-major:
+// tile (ng, kc) at b + (ng * b_chunks + kc) * kTileElems.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace flare::cpu::FLARE_ISA {
+
+// Tile register numbers. Tile instructions encode them as immediates, so the wrappers below take them as
+// template arguments (GCC's _tile_* macros would paste the enum's name, not its value, into the assembly).
+enum AmxTile : int { kC00 = 0, kC01 = 1, kC10 = 2, kC11 = 3, kA0 = 4, kA1 = 5, kB0 = 6, kB1 = 7 };
+
+template <int T>
+inline void tile_zero() {
+  asm volatile("tilezero %%tmm%c0" ::"i"(T));
+}
+template <int T>
+inline void tile_load(const void* base, int64_t stride_bytes) {
+  asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(base), "r"(stride_bytes), "i"(T) : "memory");
+}
+template <int T>
+inline void tile_store(void* base, int64_t stride_bytes) {
+  asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(base), "r"(stride_bytes), "i"(T) : "memory");
+}
+// C += A * B with bf16 pairs accumulated in fp32.
+template <int C, int A, int B>
+inline void tile_dot_bf16() {
+  asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
+}
+
+struct alignas(64) AmxTileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+inline void amx_configure() {
+  AmxTileConfig cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+constexpr int64_t kTileElems = 16 * 32;  // bf16 elements in one 16 x 64-byte tile
+
+// Element (k, n) of a B operand in the VNNI tile layout above.
+inline int64_t vnni_offset(int64_t k, int64_t n, int64_t b_chunks) {
+  return ((n / 16) * b_chunks + k / 32) * kTileElems + ((k % 32) / 2 * 16 + n % 16) * 2 + k % 2;
+}
+
+// C (m x n, fp32, leading dimension ldc) = or += A (m x k, bf16 rows, leading dimension lda) times the B
+// tiles starting at n_group n0 and k_chunk k0 of a VNNI operand with b_chunks chunks per n_group.
+// m, n and k are multiples of 32; each 32 x 32 block of C lives in four accumulator tiles.
+template <bool Accumulate>
+inline void amx_gemm(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda, const uint16_t* b,
+                     int64_t b_chunks, int64_t n0, int64_t k0, float* c, int64_t ldc) {
+  for (int64_t rb = 0; rb < m / 32; ++rb) {
+    for (int64_t cb = 0; cb < n / 32; ++cb) {
+      float* cblk = c + rb * 32 * ldc + cb * 32;
+      if constexpr (Accumulate) {
+        tile_load<kC00>(cblk, ldc * 4);
+        tile_load<kC01>(cblk + 16, ldc * 4);
+        tile_load<kC10>(cblk + 16 * ldc, ldc * 4);
+        tile_load<kC11>(cblk + 16 * ldc + 16, ldc * 4);
+      } else {
+        tile_zero<kC00>();
+        tile_zero<kC01>();
+        tile_zero<kC10>();
+        tile_zero<kC11>();
+      }
+      const uint16_t* b0 = b + ((n0 + cb * 2) * b_chunks + k0) * kTileElems;
+      const uint16_t* b1 = b0 + b_chunks * kTileElems;
+      const uint16_t* a0 = a + rb * 32 * lda;
+      for (int64_t kc = 0; kc < k / 32; ++kc) {
+        tile_load<kA0>(a0 + kc * 32, lda * 2);
+        tile_load<kA1>(a0 + 16 * lda + kc * 32, lda * 2);
+        tile_load<kB0>(b0 + kc * kTileElems, 64);
+        tile_load<kB1>(b1 + kc * kTileElems, 64);
+        tile_dot_bf16<kC00, kA0, kB0>();
+        tile_dot_bf16<kC01, kA0, kB1>();
+        tile_dot_bf16<kC10, kA1, kB0>();
+        tile_dot_bf16<kC11, kA1, kB1>();
+      }
+      tile_store<kC00>(cblk, ldc * 4);
+      tile_store<kC01>(cblk + 16, ldc * 4);
+      tile_store<kC10>(cblk + 16 * ldc, ldc * 4);
+      tile_store<kC11>(cblk + 16 * ldc + 16, ldc * 4);
+    }
+  }
+}
+
+// Rounds n floats (a multiple of 16) to bf16 (nearest even), vectorised.
+inline void round_to_bf16(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t c = 0; c < n; c += 16) {
+    const __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + c));
+    std::memcpy(dst + c, &b, sizeof(b));
+  }
+}
+
+}  // namespace flare::cpu::FLARE_ISA

@@ -1,0 +1,210 @@
+// backward_amx.hpp — the bf16 backward pass on AMX tile units, in the keys-major ("transposed") domain.
+//
+// Same algorithm and driver as backward.hpp (run_backward). Working with Sᵀ (keys as rows) makes every
+// product's A operand a plain row-major bf16 matrix that is already at hand, so no tile is transposed:
+//   Sᵀ  = K · Qᵀ      A = K rows            B = Q as VNNI pairs along d
+//   dPᵀ = V · dOᵀ     A = V rows            B = dO as VNNI pairs along dv
+//   dV += Pᵀ · dO     A = Pᵀ (bf16)         B = dO as VNNI pairs along queries
+//   dK += dSᵀ · Q     A = dSᵀ (bf16)        B = Q as VNNI pairs along queries
+//   dQᵀ += Kᵀ · dSᵀ   A = Kᵀ rows           B = dSᵀ as VNNI pairs along keys
+// with Pᵀ = exp(scale·Sᵀ - lse) and dSᵀ = Pᵀ ∘ (dPᵀ - D) (∘ (1 - tanh²) under softcap), fp32 on AVX-512.
+// dK and dQ carry the softmax scale once, when written. P and dS are rounded to bf16 for the products, as
+// GPU FlashAttention does; every accumulator is fp32.
+#pragma once
+
+#include "cpu/amx.hpp"
+#include "cpu/backward.hpp"
+
+namespace flare::cpu::FLARE_ISA {
+
+struct AmxBackward {
+  static constexpr int64_t kBq = 64, kBk = 64;
+
+  struct Scratch {
+    int64_t dpad = 0, dvpad = 0, nk = 0, nq = 0;  // padded head dims and sequence lengths
+    struct Pack {
+      uint16_t *k, *v, *kt;  // per group: K rows (nk x dpad), V rows (nk x dvpad), Kᵀ rows (dpad x nk)
+      float *dk, *dv;        // dK (nk x dpad), dV (nk x dvpad)
+      uint16_t *q_by_d, *do_by_dv, *q_by_i, *do_by_i;  // per head: Q and dO as VNNI along d/dv and along i
+      float *delta, *lse;                              // D = rowsum(dO * O), lse (+inf: no visible key)
+    };
+    struct PerThread {
+      Pack* pack;
+      float* dqt;  // dQᵀ (dpad x nq)
+      float *s, *dp, *tanh;
+      uint16_t *p, *ds, *ds_vnni;
+    };
+    PerThread* threads = nullptr;
+
+    void layout(Arena& a, const Problem& pr, int nt) {
+      dpad = round_up(pr.headdim, 32);
+      dvpad = round_up(pr.headdim_v, 32);
+      nk = round_up(pr.seqlen_k, kBk);
+      nq = round_up(pr.seqlen_q, kBq);
+      const int packs = use_private_groups(pr, nt) ? nt : 1;
+      Pack* pack = a.take<Pack>(packs);
+      for (int i = 0; i < packs; ++i) {
+        Pack pk{a.take<uint16_t>(nk * dpad), a.take<uint16_t>(nk * dvpad), a.take<uint16_t>(dpad * nk),
+                a.take<float>(nk * dpad),    a.take<float>(nk * dvpad),    a.take<uint16_t>(nq * dpad),
+                a.take<uint16_t>(nq * dvpad), a.take<uint16_t>(nq * dpad), a.take<uint16_t>(nq * dvpad),
+                a.take<float>(nq),           a.take<float>(nq)};
+        if (pack) pack[i] = pk;
+      }
+      threads = a.take<PerThread>(nt);
+      for (int t = 0; t < nt; ++t) {
+        const int64_t tile = kBk * kBq;
+        PerThread pt{pack ? &pack[t < packs ? t : 0] : nullptr,
+                     a.take<float>(dpad * nq),
+                     a.take<float>(tile),
+                     a.take<float>(tile),
+                     a.take<float>(tile),
+                     a.take<uint16_t>(tile),
+                     a.take<uint16_t>(tile),
+                     a.take<uint16_t>(tile)};
+        if (threads) threads[t] = pt;
+      }
+    }
+  };
+
+  static void thread_begin() { amx_configure(); }
+  static void thread_end() { _tile_release(); }
+
+  // Key block kb: K, V and Kᵀ rows in bf16 (zero-padded), dK/dV cleared.
+  static void pack_keys(const Problem& p, const Sequence& seq, int64_t hk, int64_t kb, const Scratch& ws, int tid) {
+    const auto& pk = *ws.threads[tid].pack;
+    const RowPtr krows = key_rows(p, p.k, seq, hk), vrows = key_rows(p, p.v, seq, hk);
+    for (int64_t j = kb * kBk; j < (kb + 1) * kBk; ++j) {
+      const bool in = j < seq.seqlen_k;
+      const uint16_t* ksrc = in ? reinterpret_cast<const uint16_t*>(krows.row(j)) : nullptr;
+      const uint16_t* vsrc = in ? reinterpret_cast<const uint16_t*>(vrows.row(j)) : nullptr;
+      for (int64_t c = 0; c < ws.dpad; ++c) {
+        const uint16_t x = (in && c < p.headdim) ? ksrc[c] : uint16_t(0);
+        pk.k[j * ws.dpad + c] = x;
+        pk.kt[c * ws.nk + j] = x;
+        pk.dk[j * ws.dpad + c] = 0.0f;
+      }
+      for (int64_t c = 0; c < ws.dvpad; ++c) {
+        pk.v[j * ws.dvpad + c] = (in && c < p.headdim_v) ? vsrc[c] : uint16_t(0);
+        pk.dv[j * ws.dvpad + c] = 0.0f;
+      }
+    }
+  }
+
+  // Query tile qt of head h: Q and dO in both VNNI layouts, D and lse.
+  static void pack_queries(const Problem& p, const Sequence& seq, int64_t h, int64_t qt, const Scratch& ws,
+                           int tid) {
+    const auto& pk = *ws.threads[tid].pack;
+    const RowPtr qrows = query_rows(p, p.q, seq, h), dorows = query_rows(p, p.dout, seq, h),
+                 orows = query_rows(p, p.out, seq, h);
+    const float* lse = lse_row(p, seq, h);
+    const int64_t q_chunks_d = ws.dpad / 32, q_chunks_dv = ws.dvpad / 32, i_chunks = ws.nq / 32;
+    for (int64_t i = qt * kBq; i < (qt + 1) * kBq; ++i) {
+      const bool in = i < seq.seqlen_q;
+      const uint16_t* q = in ? reinterpret_cast<const uint16_t*>(qrows.row(i)) : nullptr;
+      const uint16_t* dout = in ? reinterpret_cast<const uint16_t*>(dorows.row(i)) : nullptr;
+      const uint16_t* out = in ? reinterpret_cast<const uint16_t*>(orows.row(i)) : nullptr;
+      for (int64_t c = 0; c < ws.dpad; ++c) {
+        const uint16_t x = (in && c < p.headdim) ? q[c] : uint16_t(0);
+        pk.q_by_d[vnni_offset(c, i, q_chunks_d)] = x;
+        pk.q_by_i[vnni_offset(i, c, i_chunks)] = x;
+      }
+      float delta = 0.0f;
+      for (int64_t c = 0; c < ws.dvpad; ++c) {
+        const uint16_t x = (in && c < p.headdim_v) ? dout[c] : uint16_t(0);
+        pk.do_by_dv[vnni_offset(c, i, q_chunks_dv)] = x;
+        pk.do_by_i[vnni_offset(i, c, i_chunks)] = x;
+        if (in && c < p.headdim_v) delta += bf16_to_float(x) * bf16_to_float(out[c]);
+      }
+      pk.delta[i] = delta;
+      pk.lse[i] = (in && lse[i] != kNegInf) ? lse[i] : __builtin_inff();
+    }
+  }
+
+  static void clear_dq(const Sequence&, const Scratch& ws, int tid) {
+    std::memset(ws.threads[tid].dqt, 0, sizeof(float) * ws.dpad * ws.nq);
+  }
+
+  static void tile(const Problem& p, const Sequence& seq, int64_t h, int64_t kb, int64_t qt, const Scratch& ws,
+                   int tid) {
+    using V = vec_t<float>;
+    constexpr int W = Simd<float>::W;
+    const auto& t = ws.threads[tid];
+    const auto& pk = *t.pack;
+    const int64_t i0 = qt * kBq, j0 = kb * kBk;
+    const int64_t keys = smin(kBk, seq.seqlen_k - j0);
+    const policy::WindowMask mask = seq.mask(p);
+    const float scale = p.score.scale;
+
+    // Sᵀ (keys x queries) and dPᵀ.
+    amx_gemm<false>(kBk, kBq, ws.dpad, pk.k + j0 * ws.dpad, ws.dpad, pk.q_by_d, ws.dpad / 32, i0 / 16, 0, t.s, kBq);
+    amx_gemm<false>(kBk, kBq, ws.dvpad, pk.v + j0 * ws.dvpad, ws.dvpad, pk.do_by_dv, ws.dvpad / 32, i0 / 16, 0,
+                    t.dp, kBq);
+
+    ScoreShape shape;
+    shape.softcap = p.score.softcap;
+    shape.alibi = p.score.alibi_slopes != nullptr;
+    shape.slope = alibi_slope(p, seq, h);
+    const bool shaped = shape.softcap > 0 || shape.alibi || keys < kBk ||
+                        !block_fully_visible(mask, i0, smin(kBq, seq.seqlen_q - i0), j0, kBk);
+    float row_scale = scale;
+    if (shaped) {
+      for (int64_t r = 0; r < kBk; ++r) scale_row<float>(t.s + r * kBq, kBq, scale);
+      shape_scores_keys_major<float>(t.s, kBq, kBk, kBq, i0, j0, mask, shape, t.tanh);
+      row_scale = 1.0f;
+    }
+    const float* lse = pk.lse + i0;
+    const float* delta = pk.delta + i0;
+    for (int64_t r = 0; r < kBk; ++r) {
+      float* srow = t.s + r * kBq;
+      float* dsrow = t.dp + r * kBq;
+      const float* th = t.tanh + r * kBq;
+      for (int64_t c = 0; c < kBq; c += W) {
+        const V pv = vexp(vload(srow + c) * row_scale - vload(lse + c));
+        V ds = pv * (vload(dsrow + c) - vload(delta + c));
+        if (shape.softcap > 0) {
+          const V tv = vload(th + c);
+          ds = ds * (1.0f - tv * tv);
+        }
+        vstore(srow + c, pv);
+        vstore(dsrow + c, ds);
+      }
+      round_to_bf16(srow, t.p + r * kBq, kBq);
+      round_to_bf16(dsrow, t.ds + r * kBq, kBq);
+    }
+    // dSᵀ as VNNI pairs along keys (the B operand of dQᵀ): interleave rows 2r and 2r + 1.
+    for (int64_t r = 0; r < kBk; r += 2)
+      for (int64_t c = 0; c < kBq; ++c) {
+        t.ds_vnni[vnni_offset(r, c, kBk / 32)] = t.ds[r * kBq + c];
+        t.ds_vnni[vnni_offset(r + 1, c, kBk / 32)] = t.ds[(r + 1) * kBq + c];
+      }
+
+    amx_gemm<true>(kBk, ws.dvpad, kBq, t.p, kBq, pk.do_by_i, ws.nq / 32, 0, i0 / 32, pk.dv + j0 * ws.dvpad,
+                   ws.dvpad);
+    amx_gemm<true>(kBk, ws.dpad, kBq, t.ds, kBq, pk.q_by_i, ws.nq / 32, 0, i0 / 32, pk.dk + j0 * ws.dpad, ws.dpad);
+    amx_gemm<true>(ws.dpad, kBq, kBk, pk.kt + j0, ws.nk, t.ds_vnni, kBk / 32, 0, 0, t.dqt + i0, ws.nq);
+  }
+
+  template <bool Shared>
+  static void write_dq(const Problem& p, const RowPtr& dqrows, int64_t i, const Scratch& ws, int tid, int nt) {
+    float row[kMaxHeaddimAmx];
+    const float* first = ws.threads[Shared ? 0 : tid].dqt;
+    for (int64_t c = 0; c < p.headdim; ++c) row[c] = first[c * ws.nq + i];
+    if constexpr (Shared)
+      for (int other = 1; other < nt; ++other)
+        for (int64_t c = 0; c < p.headdim; ++c) row[c] += ws.threads[other].dqt[c * ws.nq + i];
+    store_row<float>(row, p.score.scale, dqrows.row(i), p.dtype, p.headdim);
+  }
+
+  static void write_dkdv(const Problem& p, const Sequence& seq, const RowPtr& dkrows, const RowPtr& dvrows,
+                         int64_t j, const Scratch& ws, int tid) {
+    static constexpr float kZeros[kMaxHeaddimAmx] = {};
+    const auto& pk = *ws.threads[tid].pack;
+    const bool used = j < seq.seqlen_k;
+    store_row<float>(used ? pk.dk + j * ws.dpad : kZeros, p.score.scale, dkrows.row(j), p.dtype, p.headdim);
+    store_row<float>(used ? pk.dv + j * ws.dvpad : kZeros, 1.0f, dvrows.row(j), p.dtype, p.headdim_v);
+  }
+
+  static constexpr int64_t kMaxHeaddimAmx = 256;
+};
+
+}  // namespace flare::cpu::FLARE_ISA
