@@ -14,10 +14,15 @@ namespace flare::cpu::FLARE_ISA {
 
 template <class T>
 struct GemmShape {
-  // 4 x 4 vectors: 16 accumulators + 4 B vectors + 1 broadcast fit 32 zmm (AVX-512) and, as pairs of ymm or
-  // quads of xmm, still keep the FMA units busy on narrower ISAs.
-  static constexpr int kRows = 4;
+#if FLARE_VEC_BYTES == 64
+  // AVX-512, 32 registers: 6 x 4 accumulators + 4 B vectors + 1 broadcast; 10 loads feed 24 FMAs.
+  static constexpr int kRows = 6;
   static constexpr int kCols = 4;  // vectors
+#else
+  // 16 registers: 4 x 3 accumulators + 3 B vectors + 1 broadcast.
+  static constexpr int kRows = 4;
+  static constexpr int kCols = 3;
+#endif
 };
 
 template <class T, int R, int NV, bool Accumulate, bool TransA = false>
@@ -47,7 +52,22 @@ inline void gemm_micro(const T* __restrict a, int64_t lda, const T* __restrict b
     for (int v = 0; v < NV; ++v) vstore(c + r * ldc + v * W, acc[r][v]);
 }
 
-// Runs the micro-kernel over an M x N tile; N may end with a narrower panel (fewer than kCols vectors).
+// Rows [row, row + rows) of C against one column panel of NV vectors; rows <= kRows picks the micro-kernel.
+template <class T, int NV, bool Accumulate, bool TransA>
+inline void gemm_rows(int64_t rows, const T* a, int64_t lda, const T* b, int64_t ldb, T* c, int64_t ldc,
+                      int64_t k_len) {
+  switch (rows) {
+    case 1: gemm_micro<T, 1, NV, Accumulate, TransA>(a, lda, b, ldb, c, ldc, k_len); break;
+    case 2: gemm_micro<T, 2, NV, Accumulate, TransA>(a, lda, b, ldb, c, ldc, k_len); break;
+    case 3: gemm_micro<T, 3, NV, Accumulate, TransA>(a, lda, b, ldb, c, ldc, k_len); break;
+    case 4: gemm_micro<T, 4, NV, Accumulate, TransA>(a, lda, b, ldb, c, ldc, k_len); break;
+    case 5: gemm_micro<T, 5, NV, Accumulate, TransA>(a, lda, b, ldb, c, ldc, k_len); break;
+    default: gemm_micro<T, GemmShape<T>::kRows, NV, Accumulate, TransA>(a, lda, b, ldb, c, ldc, k_len); break;
+  }
+}
+
+// Runs the micro-kernels over an M x N tile: full kRows x kCols blocks, then the last rows and the last,
+// narrower column panel.
 template <class T, bool Accumulate, bool TransA = false>
 inline void gemm_tile(int64_t m, int64_t n, int64_t k_len, const T* a, int64_t lda, const T* b, int64_t ldb,
                       T* c, int64_t ldc) {
@@ -56,18 +76,21 @@ inline void gemm_tile(int64_t m, int64_t n, int64_t k_len, const T* a, int64_t l
   constexpr int R = GemmShape<T>::kRows;
   constexpr int NV = GemmShape<T>::kCols;
   constexpr int W = Simd<T>::W;
+  static_assert(R <= 6, "gemm_rows handles up to 6 rows");
   int64_t col = 0;
   for (; col + NV * W <= n; col += NV * W)
     for (int64_t row = 0; row < m; row += R)
-      gemm_micro<T, R, NV, Accumulate, TransA>(a_rows(row), lda, b + col, ldb, c + row * ldc + col, ldc, k_len);
+      gemm_rows<T, NV, Accumulate, TransA>(smin<int64_t>(R, m - row), a_rows(row), lda, b + col, ldb,
+                                          c + row * ldc + col, ldc, k_len);
   const int64_t rest = (n - col) / W;
   for (int64_t row = 0; row < m && rest > 0; row += R) {
+    const int64_t rows = smin<int64_t>(R, m - row);
     const T* ar = a_rows(row);
     T* cr = c + row * ldc + col;
     switch (rest) {
-      case 1: gemm_micro<T, R, 1, Accumulate, TransA>(ar, lda, b + col, ldb, cr, ldc, k_len); break;
-      case 2: gemm_micro<T, R, 2, Accumulate, TransA>(ar, lda, b + col, ldb, cr, ldc, k_len); break;
-      default: gemm_micro<T, R, 3, Accumulate, TransA>(ar, lda, b + col, ldb, cr, ldc, k_len); break;
+      case 1: gemm_rows<T, 1, Accumulate, TransA>(rows, ar, lda, b + col, ldb, cr, ldc, k_len); break;
+      case 2: gemm_rows<T, 2, Accumulate, TransA>(rows, ar, lda, b + col, ldb, cr, ldc, k_len); break;
+      default: gemm_rows<T, 3, Accumulate, TransA>(rows, ar, lda, b + col, ldb, cr, ldc, k_len); break;
     }
   }
 }
