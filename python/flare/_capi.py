@@ -1,0 +1,312 @@
+"""The one ctypes binding of flare's C ABI (include/flare/flare.h); every Python layer goes through it.
+
+It owns: the struct mirrors of flare.h (field by field, checked against the struct_size that
+flare_*_params_init writes, so a layout drift fails loudly), finding and loading libflare, turning a
+torch tensor into a flare_tensor view (no copy), and turning a failed status into a Python exception that
+carries the library's message. It knows nothing about attention options beyond the struct fields; the torch
+ops (ops.py) fill them in.
+
+Finding the library, first match wins:
+  1. the environment variable FLARE_LIBRARY (a path to libflare.so),
+  2. libflare.so next to this file (where `pip install .` puts it),
+  3. build/release/src/libflare.so of the source tree this file sits in (development).
+"""
+
+import ctypes
+import os
+import threading
+from ctypes import c_char_p, c_float, c_int32, c_int64, c_size_t, c_void_p
+from pathlib import Path
+
+FLARE_MAX_RANK = 4
+
+# flare_status
+FLARE_OK = 0
+FLARE_INVALID_ARGUMENT = 1
+FLARE_UNSUPPORTED = 2
+FLARE_OUT_OF_MEMORY = 3
+FLARE_CUDA_ERROR = 4
+FLARE_INTERNAL_ERROR = 5
+
+# flare_dtype
+FLARE_DTYPE_F32 = 0
+FLARE_DTYPE_F16 = 1
+FLARE_DTYPE_BF16 = 2
+FLARE_DTYPE_F64 = 3
+FLARE_DTYPE_I32 = 4
+FLARE_DTYPE_E4M3 = 5
+
+# flare_device_type
+FLARE_DEVICE_CPU = 0
+FLARE_DEVICE_CUDA = 1
+
+# torch dtype name -> flare_dtype (by name, so this module does not need torch to import)
+_DTYPES = {
+    "torch.float32": FLARE_DTYPE_F32,
+    "torch.float16": FLARE_DTYPE_F16,
+    "torch.bfloat16": FLARE_DTYPE_BF16,
+    "torch.float64": FLARE_DTYPE_F64,
+    "torch.int32": FLARE_DTYPE_I32,
+    "torch.float8_e4m3fn": FLARE_DTYPE_E4M3,
+}
+_DEVICES = {"cpu": FLARE_DEVICE_CPU, "cuda": FLARE_DEVICE_CUDA}
+
+
+class flare_device(ctypes.Structure):
+    _fields_ = [("type", c_int32), ("index", c_int32)]
+
+
+class flare_tensor(ctypes.Structure):
+    _fields_ = [
+        ("data", c_void_p),
+        ("dtype", c_int32),
+        ("device", flare_device),
+        ("rank", c_int32),
+        ("shape", c_int64 * FLARE_MAX_RANK),
+        ("strides", c_int64 * FLARE_MAX_RANK),
+    ]
+
+
+class flare_attn_options(ctypes.Structure):
+    _fields_ = [
+        ("softmax_scale", c_float),
+        ("softcap", c_float),
+        ("causal", c_int32),
+        ("window_left", c_int32),
+        ("window_right", c_int32),
+        ("alibi_slopes", flare_tensor),
+    ]
+
+
+class flare_exec_options(ctypes.Structure):
+    _fields_ = [
+        ("stream", c_void_p),
+        ("num_threads", c_int32),
+        ("workspace", c_void_p),
+        ("workspace_size", c_size_t),
+    ]
+
+
+class flare_fwd_params(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("q", flare_tensor),
+        ("k", flare_tensor),
+        ("v", flare_tensor),
+        ("out", flare_tensor),
+        ("softmax_lse", flare_tensor),
+        ("cu_seqlens_q", flare_tensor),
+        ("cu_seqlens_k", flare_tensor),
+        ("seqused_k", flare_tensor),
+        ("max_seqlen_q", c_int32),
+        ("max_seqlen_k", c_int32),
+        ("attn", flare_attn_options),
+        ("exec", flare_exec_options),
+    ]
+
+
+class flare_bwd_params(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("q", flare_tensor),
+        ("k", flare_tensor),
+        ("v", flare_tensor),
+        ("out", flare_tensor),
+        ("dout", flare_tensor),
+        ("softmax_lse", flare_tensor),
+        ("dq", flare_tensor),
+        ("dk", flare_tensor),
+        ("dv", flare_tensor),
+        ("cu_seqlens_q", flare_tensor),
+        ("cu_seqlens_k", flare_tensor),
+        ("seqused_k", flare_tensor),
+        ("max_seqlen_q", c_int32),
+        ("max_seqlen_k", c_int32),
+        ("deterministic", c_int32),
+        ("attn", flare_attn_options),
+        ("exec", flare_exec_options),
+    ]
+
+
+class flare_kvcache_params(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("q", flare_tensor),
+        ("k_cache", flare_tensor),
+        ("v_cache", flare_tensor),
+        ("k_new", flare_tensor),
+        ("v_new", flare_tensor),
+        ("cache_seqlens", flare_tensor),
+        ("cache_batch_idx", flare_tensor),
+        ("cache_leftpad", flare_tensor),
+        ("block_table", flare_tensor),
+        ("rotary_cos", flare_tensor),
+        ("rotary_sin", flare_tensor),
+        ("rotary_interleaved", c_int32),
+        ("num_splits", c_int32),
+        ("out", flare_tensor),
+        ("softmax_lse", flare_tensor),
+        ("attn", flare_attn_options),
+        ("exec", flare_exec_options),
+    ]
+
+
+class FlareError(RuntimeError):
+    """A status flare has no better Python exception for (FLARE_INTERNAL_ERROR, unknown codes)."""
+
+
+class FlareCudaError(FlareError):
+    """FLARE_CUDA_ERROR: the CUDA runtime reported an error."""
+
+
+# status -> exception class; the message is always the library's own flare_last_error() text.
+_EXCEPTIONS = {
+    FLARE_INVALID_ARGUMENT: ValueError,
+    FLARE_UNSUPPORTED: NotImplementedError,
+    FLARE_OUT_OF_MEMORY: MemoryError,
+    FLARE_CUDA_ERROR: FlareCudaError,
+}
+
+
+def tensor_view(t):
+    """A flare_tensor viewing torch tensor t (no copy; t must stay alive for the call). None -> absent."""
+    view = flare_tensor()
+    if t is None:
+        return view  # rank 0: absent
+    if t.dim() > FLARE_MAX_RANK:
+        raise ValueError(f"a tensor of rank {t.dim()} is above FLARE_MAX_RANK ({FLARE_MAX_RANK})")
+    if t.dim() == 0:
+        raise ValueError("flare takes no 0-d tensors (rank 0 means 'absent' in the C ABI)")
+    dtype = _DTYPES.get(str(t.dtype))
+    if dtype is None:
+        raise ValueError(f"flare does not take dtype {t.dtype}")
+    device = _DEVICES.get(t.device.type)
+    if device is None:
+        raise ValueError(f"flare does not take tensors on device {t.device}")
+    view.data = t.data_ptr()
+    view.dtype = dtype
+    view.device = flare_device(device, t.device.index or 0)
+    view.rank = t.dim()
+    for i, (size, stride) in enumerate(zip(t.shape, t.stride())):
+        view.shape[i] = size
+        view.strides[i] = stride
+    return view
+
+
+def _candidate_paths():
+    env = os.environ.get("FLARE_LIBRARY")
+    if env:
+        return [Path(env)]  # an explicit choice: no silent fallback to another build
+    here = Path(__file__).resolve().parent
+    return [here / "libflare.so", here.parent.parent / "build" / "release" / "src" / "libflare.so"]
+
+
+class Flare:
+    """A loaded libflare: params constructors, entry points that raise on failure, introspection."""
+
+    _PARAMS = (
+        ("fwd", flare_fwd_params),
+        ("bwd", flare_bwd_params),
+        ("kvcache", flare_kvcache_params),
+    )
+
+    def __init__(self, path):
+        self.path = os.path.abspath(path)
+        lib = ctypes.CDLL(self.path)
+        self._lib = lib
+        for name in ("flare_last_error", "flare_version", "flare_cpu_isa"):
+            getattr(lib, name).restype = c_char_p
+            getattr(lib, name).argtypes = []
+        lib.flare_status_string.restype = c_char_p
+        lib.flare_status_string.argtypes = [c_int32]
+        lib.flare_has_cuda.restype = c_int32
+        lib.flare_has_cuda.argtypes = []
+        entries = {
+            flare_fwd_params: ("flare_fwd", "flare_fwd_varlen"),
+            flare_bwd_params: ("flare_bwd", "flare_bwd_varlen"),
+            flare_kvcache_params: ("flare_fwd_kvcache",),
+        }
+        for kind, struct in self._PARAMS:
+            init = getattr(lib, f"flare_{kind}_params_init")
+            init.restype = None
+            init.argtypes = [ctypes.POINTER(struct)]
+            for entry in entries[struct]:
+                getattr(lib, entry).restype = c_int32
+                getattr(lib, entry).argtypes = [ctypes.POINTER(struct)]
+            p = struct()
+            init(ctypes.byref(p))
+            if p.struct_size != ctypes.sizeof(struct):
+                raise FlareError(f"{struct.__name__}: the library says {p.struct_size} bytes, this binding "
+                                 f"{ctypes.sizeof(struct)}: flare/_capi.py no longer mirrors flare.h "
+                                 f"({self.path})")
+
+    # ---- introspection
+    def version(self):
+        return self._lib.flare_version().decode()
+
+    def cpu_isa(self):
+        return self._lib.flare_cpu_isa().decode()
+
+    def has_cuda(self):
+        return bool(self._lib.flare_has_cuda())
+
+    # ---- params with every default set by the library
+    def fwd_params(self):
+        p = flare_fwd_params()
+        self._lib.flare_fwd_params_init(ctypes.byref(p))
+        return p
+
+    def bwd_params(self):
+        p = flare_bwd_params()
+        self._lib.flare_bwd_params_init(ctypes.byref(p))
+        return p
+
+    def kvcache_params(self):
+        p = flare_kvcache_params()
+        self._lib.flare_kvcache_params_init(ctypes.byref(p))
+        return p
+
+    # ---- entry points
+    def _check(self, entry, status):
+        if status == FLARE_OK:
+            return
+        message = self._lib.flare_last_error().decode(errors="replace")
+        name = self._lib.flare_status_string(status).decode()
+        raise _EXCEPTIONS.get(status, FlareError)(f"{entry}: {name}: {message}")
+
+    def fwd(self, params):
+        self._check("flare_fwd", self._lib.flare_fwd(ctypes.byref(params)))
+
+    def fwd_varlen(self, params):
+        self._check("flare_fwd_varlen", self._lib.flare_fwd_varlen(ctypes.byref(params)))
+
+    def bwd(self, params):
+        self._check("flare_bwd", self._lib.flare_bwd(ctypes.byref(params)))
+
+    def bwd_varlen(self, params):
+        self._check("flare_bwd_varlen", self._lib.flare_bwd_varlen(ctypes.byref(params)))
+
+    def fwd_kvcache(self, params):
+        self._check("flare_fwd_kvcache", self._lib.flare_fwd_kvcache(ctypes.byref(params)))
+
+
+_library = None
+_library_lock = threading.Lock()
+
+
+def library():
+    """The process-wide Flare, loaded on first use (see the module docstring for where it is looked for)."""
+    global _library
+    if _library is None:
+        with _library_lock:
+            if _library is None:
+                tried = _candidate_paths()
+                for path in tried:
+                    if path.is_file():
+                        _library = Flare(path)
+                        break
+                else:
+                    raise OSError("libflare.so not found; looked at " + ", ".join(map(str, tried)) +
+                                  ". Install the package with `pip install .`, build the release preset, "
+                                  "or set FLARE_LIBRARY to the library's path.")
+    return _library

@@ -1,0 +1,157 @@
+"""flash_attn-compatible functions (flash-attn 2.x: same names, parameters, defaults, layouts, returns).
+
+Migrating is an import change: `from flare.flash_attn_interface import flash_attn_func` (or `from flare
+import ...`) instead of `from flash_attn import ...`. What flare does not do raises NotImplementedError that
+names the argument: dropout_p > 0 and return_attn_probs=True with dropout (flash-attn returns no
+probabilities without dropout either: with dropout_p == 0 it gives (out, softmax_lse, None), and so does
+flare). Extras beyond flash-attn 2.x on flash_attn_varlen_func: seqused_k, out=, return_softmax_lse.
+Everything runs through the torch ops in ops.py (autograd, torch.compile).
+"""
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import ops
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_with_kvcache",
+]
+
+
+def _check_unsupported(dropout_p: float):
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"flare: dropout_p={dropout_p}: attention dropout is not supported "
+                                  "(use dropout_p=0.0)")
+
+
+def _scale(softmax_scale: Optional[float]) -> float:
+    # 0 asks the library for its default, 1/sqrt(headdim): the same as flash-attn's None.
+    return 0.0 if softmax_scale is None else float(softmax_scale)
+
+
+def _window(window_size) -> Tuple[int, int]:
+    left, right = window_size
+    return int(left), int(right)
+
+
+def _result(out: Tensor, lse: Tensor, return_attn_probs: bool):
+    # flash-attn 2.x returns (out, softmax_lse, S_dmask); S_dmask is None whenever dropout_p == 0.
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic):
+    _check_unsupported(dropout_p)
+    left, right = _window(window_size)
+    return ops.fwd(q, k, v, None, None, None, 0, 0, alibi_slopes, _scale(softmax_scale), bool(causal),
+                   left, right, float(softcap), bool(deterministic))
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim) -> out like q
+    (with return_attn_probs: (out, softmax_lse (batch, nheads, seqlen_q), None))."""
+    out, lse = _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                      deterministic)
+    return _result(out, lse, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """qkv (batch, seqlen, 3, nheads, headdim) -> out (batch, seqlen, nheads, headdim)."""
+    out, lse = _dense(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
+                      softcap, alibi_slopes, deterministic)
+    return _result(out, lse, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """q (batch, seqlen_q, nheads, headdim), kv (batch, seqlen_k, 2, nheads_k, headdim)."""
+    out, lse = _dense(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
+                      alibi_slopes, deterministic)
+    return _result(out, lse, return_attn_probs)
+
+
+def _gather_paged(cache: Tensor, block_table: Tensor, cu_seqlens_k: Tensor) -> Tensor:
+    """The keys (or values) of a paged cache laid out as a varlen (total_k, nheads_k, headdim) tensor.
+    The C ABI's varlen pass has no block_table (only the KV-cache pass has), so paging is resolved here with
+    a gather; this reads cu_seqlens_k on the host."""
+    block_size = cache.shape[1]
+    seqlens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
+    parts = []
+    for b, n in enumerate(seqlens):
+        blocks = block_table[b, :(n + block_size - 1) // block_size].long()
+        parts.append(cache[blocks].reshape(-1, *cache.shape[2:])[:n])
+    return torch.cat(parts, dim=0)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None,
+                           *, seqused_k=None, out=None, return_softmax_lse=False):
+    """q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim), cu_seqlens_q/k int32 (batch + 1).
+    With block_table, k/v are a paged cache (num_blocks, block_size, nheads_k, headdim) and cu_seqlens_k
+    gives each sequence's length in it. seqused_k int32 (batch): only its first seqused_k[b] keys are used.
+    out=: written with the result (and returned). return_softmax_lse: return (out, softmax_lse (nheads,
+    total_q)) instead of out."""
+    _check_unsupported(dropout_p)
+    if block_table is not None:
+        k = _gather_paged(k, block_table, cu_seqlens_k)
+        v = _gather_paged(v, block_table, cu_seqlens_k)
+    left, right = _window(window_size)
+    result, lse = ops.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), int(max_seqlen_k),
+                          alibi_slopes, _scale(softmax_scale), bool(causal), left, right, float(softcap),
+                          bool(deterministic))
+    if out is not None:
+        out.copy_(result)
+        result = out
+    if return_softmax_lse:
+        return result, lse
+    return _result(result, lse, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
+                                     causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                     deterministic=False, return_attn_probs=False):
+    """qkv (total, 3, nheads, headdim), cu_seqlens int32 (batch + 1)."""
+    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
+                                  max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                                    softcap=0.0, alibi_slopes=None, deterministic=False,
+                                    return_attn_probs=False):
+    """q (total_q, nheads, headdim), kv (total_k, 2, nheads_k, headdim)."""
+    return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False):
+    """Inference attention against a KV cache, dense (batch_cache, seqlen_cache, nheads_k, headdim) or paged
+    (num_blocks, block_size, nheads_k, headdim) with block_table. k/v (batch, seqlen_new, nheads_k, headdim)
+    are rotated (if rotary_cos/sin are given) and written into the cache in place at cache_seqlens, then
+    attended to. cache_seqlens: int or int32 tensor (batch). Returns out, or (out, softmax_lse)."""
+    if (k is None) != (v is None):
+        raise ValueError("flare: k and v (the new keys and values) must be given together")
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    left, right = _window(window_size)
+    out, lse = ops.fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
+                               block_table, rotary_cos, rotary_sin, bool(rotary_interleaved), int(num_splits),
+                               alibi_slopes, _scale(softmax_scale), bool(causal), left, right, float(softcap))
+    return (out, lse) if return_softmax_lse else out

@@ -1,0 +1,220 @@
+"""PyTorch custom ops over the C ABI: flare::fwd, flare::bwd, flare::fwd_kvcache, with autograd and fake
+(meta) implementations, so they work with autograd, torch.compile(fullgraph=True) and torch.export.
+
+Outputs are allocated by torch (torch.empty) and handed to libflare as views; inputs are passed as views
+too, with only the last dimension made contiguous where it is not. The backend is picked by the device of
+the tensors: a CUDA tensor goes to the same entry points with exec.stream = the current torch stream.
+
+Layouts (FlashAttention's):
+  dense   q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim[_v]),
+          out (batch, seqlen_q, nheads, headdim_v), softmax_lse fp32 (batch, nheads, seqlen_q)
+  varlen  q (total_q, nheads, headdim), k/v (total_k, nheads_k, ...), cu_seqlens_q/k int32 (batch + 1),
+          optional seqused_k int32 (batch), softmax_lse fp32 (nheads, total_q)
+softmax_lse is an output for callers that want it; it is not differentiable (its gradient is ignored).
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _capi
+
+# ---- helpers shared by the ops ------------------------------------------------------------------------
+
+
+def _last_dim_contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
+    if t is None or t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] <= 1:
+        return t
+    return t.contiguous()
+
+
+def _index32(t: Optional[Tensor]) -> Optional[Tensor]:
+    """Index tensors cross the ABI as contiguous int32."""
+    if t is None:
+        return None
+    return t.to(torch.int32).contiguous()
+
+
+def _attn_options(ref: Tensor, softmax_scale: float, causal: bool, window_left: int, window_right: int,
+                  softcap: float, alibi_slopes: Optional[Tensor]):
+    """A flare_attn_options; also returns the tensors the views point into (keep them alive)."""
+    opts = _capi.flare_attn_options()
+    opts.softmax_scale = softmax_scale  # 0 = the library's default, 1/sqrt(headdim)
+    opts.softcap = softcap
+    opts.causal = int(causal)
+    opts.window_left = window_left
+    opts.window_right = window_right
+    keep = []
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(device=ref.device, dtype=torch.float32).contiguous()
+        keep.append(slopes)
+        opts.alibi_slopes = _capi.tensor_view(slopes)
+    return opts, keep
+
+
+def _exec_options(ref: Tensor):
+    """flare_exec_options for the device of ref: the current torch stream on CUDA; flare's own scratch."""
+    ex = _capi.flare_exec_options()
+    if ref.device.type == "cuda":
+        ex.stream = torch.cuda.current_stream(ref.device).cuda_stream
+    return ex
+
+
+def _lse_shape(q: Tensor, varlen: bool):
+    if varlen:
+        return (q.shape[1], q.shape[0])               # (nheads, total_q)
+    return (q.shape[0], q.shape[2], q.shape[1])       # (batch, nheads, seqlen_q)
+
+
+def _out_shape(q: Tensor, v: Tensor):
+    return (*q.shape[:-1], v.shape[-1])
+
+
+# ---- forward ------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flare::fwd", mutates_args=())
+def fwd(q: Tensor, k: Tensor, v: Tensor,
+        cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
+        max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor],
+        softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
+        deterministic: bool) -> tuple[Tensor, Tensor]:
+    """Forward attention; dense when cu_seqlens_q is None, else varlen. Returns (out, softmax_lse).
+    deterministic only matters to the backward; it is here so autograd can hand it on."""
+    varlen = cu_seqlens_q is not None
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    cu_seqlens_q, cu_seqlens_k, seqused_k = _index32(cu_seqlens_q), _index32(cu_seqlens_k), _index32(seqused_k)
+    out = torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device)
+    lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
+
+    lib = _capi.library()
+    p = lib.fwd_params()
+    tv = _capi.tensor_view
+    p.q, p.k, p.v, p.out, p.softmax_lse = tv(q), tv(k), tv(v), tv(out), tv(lse)
+    p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_k = tv(cu_seqlens_q), tv(cu_seqlens_k), tv(seqused_k)
+    p.max_seqlen_q, p.max_seqlen_k = max_seqlen_q, max_seqlen_k
+    p.attn, keep = _attn_options(q, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
+    p.exec = _exec_options(q)
+    (lib.fwd_varlen if varlen else lib.fwd)(p)
+    del keep
+    return out, lse
+
+
+@fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
+      softmax_scale, causal, window_left, window_right, softcap, deterministic):
+    varlen = cu_seqlens_q is not None
+    out = q.new_empty(_out_shape(q, v))
+    lse = q.new_empty(_lse_shape(q, varlen), dtype=torch.float32)
+    return out, lse
+
+
+# ---- backward -----------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flare::bwd", mutates_args=())
+def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
+        cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
+        max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor],
+        softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
+        deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) of flare::fwd with the same options, from out, dout and softmax_lse."""
+    varlen = cu_seqlens_q is not None
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    out, dout = _last_dim_contiguous(out), _last_dim_contiguous(dout).to(q.dtype)
+    softmax_lse = softmax_lse.contiguous()
+    cu_seqlens_q, cu_seqlens_k, seqused_k = _index32(cu_seqlens_q), _index32(cu_seqlens_k), _index32(seqused_k)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+
+    lib = _capi.library()
+    p = lib.bwd_params()
+    tv = _capi.tensor_view
+    p.q, p.k, p.v, p.out, p.dout, p.softmax_lse = tv(q), tv(k), tv(v), tv(out), tv(dout), tv(softmax_lse)
+    p.dq, p.dk, p.dv = tv(dq), tv(dk), tv(dv)
+    p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_k = tv(cu_seqlens_q), tv(cu_seqlens_k), tv(seqused_k)
+    p.max_seqlen_q, p.max_seqlen_k = max_seqlen_q, max_seqlen_k
+    p.deterministic = int(deterministic)
+    p.attn, keep = _attn_options(q, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
+    p.exec = _exec_options(q)
+    (lib.bwd_varlen if varlen else lib.bwd)(p)
+    del keep
+    return dq, dk, dv
+
+
+@bwd.register_fake
+def _(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+      alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# ---- autograd: flare::fwd's derivative is flare::bwd ----------------------------------------------------
+
+_FWD_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "max_seqlen_q", "max_seqlen_k", "alibi_slopes",
+                "softmax_scale", "causal", "window_left", "window_right", "softcap", "deterministic")
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, *scalars = inputs
+    alibi_slopes = scalars[2]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes)
+    ctx.scalars = (scalars[0], scalars[1]) + tuple(scalars[3:])
+    ctx.mark_non_differentiable(lse)
+
+
+def _fwd_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes = ctx.saved_tensors
+    max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, det = ctx.scalars
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                     max_seqlen_k, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, det)
+    return (dq, dk, dv) + (None,) * len(_FWD_OPTIONS)
+
+
+fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+
+
+# ---- KV-cache forward (inference; no autograd) ----------------------------------------------------------
+
+
+@torch.library.custom_op("flare::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
+def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optional[Tensor], v_new: Optional[Tensor],
+                cache_seqlens: Optional[Tensor], cache_batch_idx: Optional[Tensor],
+                cache_leftpad: Optional[Tensor], block_table: Optional[Tensor],
+                rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], rotary_interleaved: bool,
+                num_splits: int, alibi_slopes: Optional[Tensor], softmax_scale: float, causal: bool,
+                window_left: int, window_right: int, softcap: float) -> tuple[Tensor, Tensor]:
+    """Attention of q against a (dense or paged) KV cache, appending k_new/v_new to it in place first.
+    Returns (out, softmax_lse)."""
+    q = _last_dim_contiguous(q)
+    k_new, v_new = _last_dim_contiguous(k_new), _last_dim_contiguous(v_new)
+    rotary_cos, rotary_sin = _last_dim_contiguous(rotary_cos), _last_dim_contiguous(rotary_sin)
+    if rotary_cos is not None and rotary_cos.stride() != rotary_sin.stride():  # the ABI wants one row stride
+        rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
+    out = torch.empty(_out_shape(q, v_cache), dtype=q.dtype, device=q.device)
+    lse = torch.empty(_lse_shape(q, False), dtype=torch.float32, device=q.device)
+
+    lib = _capi.library()
+    p = lib.kvcache_params()
+    tv = _capi.tensor_view
+    p.q, p.k_cache, p.v_cache, p.k_new, p.v_new = tv(q), tv(k_cache), tv(v_cache), tv(k_new), tv(v_new)
+    index = [_index32(t) for t in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table)]
+    p.cache_seqlens, p.cache_batch_idx, p.cache_leftpad, p.block_table = (tv(t) for t in index)
+    p.rotary_cos, p.rotary_sin = tv(rotary_cos), tv(rotary_sin)
+    p.rotary_interleaved = int(rotary_interleaved)
+    p.num_splits = num_splits
+    p.out, p.softmax_lse = tv(out), tv(lse)
+    p.attn, keep = _attn_options(q, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
+    p.exec = _exec_options(q)
+    lib.fwd_kvcache(p)
+    del keep, index
+    return out, lse
+
+
+@fwd_kvcache.register_fake
+def _(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+      rotary_cos, rotary_sin, rotary_interleaved, num_splits, alibi_slopes, softmax_scale, causal,
+      window_left, window_right, softcap):
+    return q.new_empty(_out_shape(q, v_cache)), q.new_empty(_lse_shape(q, False), dtype=torch.float32)
