@@ -2,7 +2,7 @@
 """CPU benchmark: flare against torch's CPU scaled_dot_product_attention and the naive way, in one process.
 
 Implementations (BENCH.md names):
-  flare      libflare.so through ctypes (_flare_ctypes.py); backward is flare_bwd fed the out/lse of
+  flare      libflare.so through ctypes (python/flare/_capi.py); backward is flare_bwd fed the out/lse of
              flare's own forward.
   torch-cpu  torch.nn.functional.scaled_dot_product_attention (its CPU flash kernel); backward is the
              autograd backward of that call.
@@ -47,9 +47,10 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO / "python"))  # the flare package's ctypes binding, the only one
 sys.path.insert(0, str(REPO / "bench"))
 
-from _flare_ctypes import Flare, tensor_view  # noqa: E402
+from flare._capi import Flare, tensor_view  # noqa: E402
 from flops import attention_flops  # noqa: E402
 
 TOTAL_TOKENS = 8192

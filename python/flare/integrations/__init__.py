@@ -1,0 +1,1 @@
+"""Integrations of flare into other frameworks; each submodule imports its framework lazily."""

@@ -1,0 +1,101 @@
+"""HuggingFace transformers: attn_implementation="flare".
+
+    import flare.integrations.transformers as flare_hf
+    flare_hf.register()
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="flare")
+
+register() adds flare_attention_forward to transformers' AttentionInterface and, for the masks, the same
+mask function the flash-attention-2 integration uses (a 2D padding mask, or None when there is no padding),
+so models build flare exactly the inputs they build for FA2. The attention function then takes one of
+three routes, as FA2's does:
+  - a padding mask: unpad q/k/v to the varlen layout, flash_attn_varlen_func, pad the output back
+    (with a cache, query rows are taken from the right of the mask: left padding);
+  - no mask, but position_ids that restart inside one packed row (batch 1), or cu_seq_lens_q/k given:
+    varlen over the packed sequences;
+  - otherwise the dense flash_attn_func.
+GQA/MQA key/value heads go in as they are (no repeat_kv); with a cache, seqlen_q < seqlen_k and causal is
+aligned bottom-right. sliding_window w becomes window_size (w - 1, w - 1), softcap is passed on.
+Not supported: s_aux (attention sinks) and attention dropout > 0 (NotImplementedError).
+"""
+
+import torch
+
+from ..bert_padding import pad_input, unpad_input
+from ..flash_attn_interface import flash_attn_func, flash_attn_varlen_func
+
+NAME = "flare"
+
+
+def _seqlens_to_cu(seqlens):
+    return torch.nn.functional.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0))
+
+
+def _packed_cu_seqlens(position_ids):
+    """cu_seqlens of the sequences packed into one row: a sequence starts where position_ids is at its minimum."""
+    flat = position_ids.reshape(-1)
+    starts = (flat == flat.min()).nonzero().reshape(-1).to(torch.int32)
+    cu = torch.cat([starts, torch.tensor([flat.numel()], dtype=torch.int32, device=flat.device)])
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def _is_packed(position_ids, batch):
+    if position_ids is None or batch != 1:
+        return False
+    expected = torch.arange(position_ids.shape[-1], device=position_ids.device) + position_ids.min()
+    return bool((position_ids.reshape(-1) != expected).any())
+
+
+def flare_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                            sliding_window=None, softcap=None, is_causal=None, s_aux=None, **kwargs):
+    """transformers' attention-function signature: query (batch, nheads, seqlen_q, headdim), key/value
+    (batch, nheads_k, seqlen_k, headdim), attention_mask the 2D padding mask (batch, seqlen_k) or None.
+    Returns (attn_output (batch, seqlen_q, nheads, headdim_v), None)."""
+    if s_aux is not None:
+        raise NotImplementedError("flare: s_aux (attention sinks) is not supported")
+    if dropout and dropout > 0.0:
+        raise NotImplementedError(f"flare: attention dropout={dropout} is not supported")
+    if kwargs.get("output_attentions", False):
+        raise NotImplementedError("flare: output_attentions=True is not supported (use eager)")
+    causal = module.is_causal if is_causal is None else is_causal
+    window = (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)
+    options = dict(softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap or 0.0)
+
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (batch, seqlen, heads, dim)
+    batch, seqlen_q = q.shape[0], q.shape[1]
+    position_ids = kwargs.get("position_ids")
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+
+    if attention_mask is not None:
+        mask = attention_mask.bool()
+        k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]  # static caches can be longer than the mask
+        seqlens_k = mask.sum(dim=-1, dtype=torch.int32)
+        indices_k = mask.reshape(-1).nonzero().reshape(-1)
+        k_unpad = k.reshape(-1, *k.shape[2:])[indices_k]
+        v_unpad = v.reshape(-1, *v.shape[2:])[indices_k]
+        q_unpad, indices_q, cu_seqlens_q, max_q, _ = unpad_input(q, mask[:, -seqlen_q:])
+        out = flash_attn_varlen_func(q_unpad, k_unpad, v_unpad, cu_seqlens_q, _seqlens_to_cu(seqlens_k), max_q,
+                                     int(seqlens_k.max()), **options)
+        return pad_input(out, indices_q, batch, seqlen_q), None
+
+    if cu_q is not None and cu_k is not None:
+        max_q = kwargs.get("max_length_q") or int((cu_q[1:] - cu_q[:-1]).max())
+        max_k = kwargs.get("max_length_k") or int((cu_k[1:] - cu_k[:-1]).max())
+    elif _is_packed(position_ids, batch):
+        cu_q, max_q = _packed_cu_seqlens(position_ids)
+        cu_k, max_k = cu_q, max_q
+    else:
+        return flash_attn_func(q, k, v, **options), None
+
+    flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
+    out = flash_attn_varlen_func(flat(q), flat(k), flat(v), cu_q, cu_k, max_q, max_k, **options)
+    return out.reshape(batch, -1, *out.shape[1:]), None
+
+
+def register(name: str = NAME):
+    """Make attn_implementation=name (default "flare") available to every transformers model."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(name, flare_attention_forward)
+    AttentionMaskInterface.register(name, flash_attention_mask)
+    return name
