@@ -19,88 +19,64 @@ inline bool block_fully_visible(const policy::WindowMask& mask, int64_t i0, int6
   return mask.keys_of(i0 + rows - 1).first <= j0 && mask.keys_of(i0).last >= j0 + n - 1;
 }
 
+// Shapes one row of `cols` scores (a multiple of W): softcap (saving tanh to trow when given), ALiBi with
+// |diagonal - key| = |dist0 + step * c| at column c, then -inf outside the visible columns [first, last].
+template <class T>
+inline void shape_row(T* row, T* trow, int64_t cols, const ScoreShape& shape, T dist0, T step, int64_t first,
+                      int64_t last) {
+  using V = vec_t<T>;
+  constexpr int W = Simd<T>::W;
+  const V iota = viota<T>();
+  if (shape.softcap > 0) {
+    const T inv_cap = T(1) / T(shape.softcap);
+    for (int64_t c = 0; c < cols; c += W) {
+      const V t = vtanh<T>(vload(row + c) * inv_cap);
+      if (trow) vstore(trow + c, t);
+      vstore(row + c, t * T(shape.softcap));
+    }
+  }
+  if (shape.alibi) {
+    const T slope = static_cast<T>(shape.slope);
+    for (int64_t c = 0; c < cols; c += W) {
+      const V dist = (iota + static_cast<T>(c)) * step + dist0;
+      vstore(row + c, vload(row + c) - slope * (dist < 0 ? -dist : dist));
+    }
+  }
+  if (first > 0 || last < cols - 1) {
+    const T lo = static_cast<T>(first), hi = static_cast<T>(last);
+    const V neg_inf = vset<T>(static_cast<T>(kNegInf));
+    for (int64_t c = 0; c < cols; c += W) {
+      const V x = iota + static_cast<T>(c);
+      vstore(row + c, (x < lo) | (x > hi) ? neg_inf : vload(row + c));
+    }
+  }
+}
+
 // s: rows x cols (cols a multiple of W) with leading dimension ld; row r is query i0 + r, column c is key
 // j0 + c. Masked entries become -inf. With softcap, tanh_out (same layout) receives tanh(raw / softcap) for
 // the backward pass's derivative (may be null).
 template <class T>
 inline void shape_scores(T* s, int64_t ld, int64_t rows, int64_t cols, int64_t i0, int64_t j0,
                          const policy::WindowMask& mask, const ScoreShape& shape, T* tanh_out) {
-  using V = vec_t<T>;
-  constexpr int W = Simd<T>::W;
-  const V iota = viota<T>();
-  const T inv_cap = shape.softcap > 0 ? T(1) / T(shape.softcap) : T(0);
-  const T neg_inf = static_cast<T>(kNegInf);
   for (int64_t r = 0; r < rows; ++r) {
-    T* row = s + r * ld;
     const int64_t i = i0 + r;
-    if (shape.softcap > 0) {
-      T* trow = tanh_out ? tanh_out + r * ld : nullptr;
-      for (int64_t c = 0; c < cols; c += W) {
-        const V t = vtanh<T>(vload(row + c) * inv_cap);
-        if (trow) vstore(trow + c, t);
-        vstore(row + c, t * T(shape.softcap));
-      }
-    }
-    if (shape.alibi) {
-      const T diag = static_cast<T>(mask.diagonal(i));
-      const T slope = static_cast<T>(shape.slope);
-      for (int64_t c = 0; c < cols; c += W) {
-        const V dist = vset<T>(diag) - (iota + static_cast<T>(j0 + c));
-        vstore(row + c, vload(row + c) - slope * (dist < 0 ? -dist : dist));
-      }
-    }
     const policy::KeyRange keys = mask.keys_of(i);
-    if (keys.first > j0 || keys.last < j0 + cols - 1) {
-      const T first = static_cast<T>(keys.first - j0);
-      const T last = static_cast<T>(keys.last - j0);
-      for (int64_t c = 0; c < cols; c += W) {
-        const V j = iota + static_cast<T>(c);
-        vstore(row + c, (j < first) | (j > last) ? vset<T>(neg_inf) : vload(row + c));
-      }
-    }
+    shape_row<T>(s + r * ld, tanh_out ? tanh_out + r * ld : nullptr, cols, shape,
+                 static_cast<T>(mask.diagonal(i) - j0), T(-1), keys.first - j0, keys.last - j0);
   }
 }
-
 
 // The same shaping on a keys-major tile (the backward's Sᵀ): row r is key j0 + r, column c is query i0 + c.
 // Keys at or past seqlen_k are masked whole.
 template <class T>
 inline void shape_scores_keys_major(T* s, int64_t ld, int64_t rows, int64_t cols, int64_t i0, int64_t j0,
                                     const policy::WindowMask& mask, const ScoreShape& shape, T* tanh_out) {
-  using V = vec_t<T>;
-  constexpr int W = Simd<T>::W;
-  const V iota = viota<T>();
-  const T inv_cap = shape.softcap > 0 ? T(1) / T(shape.softcap) : T(0);
-  const T neg_inf = static_cast<T>(kNegInf);
   for (int64_t r = 0; r < rows; ++r) {
-    T* row = s + r * ld;
     const int64_t j = j0 + r;
-    if (shape.softcap > 0) {
-      T* trow = tanh_out ? tanh_out + r * ld : nullptr;
-      for (int64_t c = 0; c < cols; c += W) {
-        const V t = vtanh<T>(vload(row + c) * inv_cap);
-        if (trow) vstore(trow + c, t);
-        vstore(row + c, t * T(shape.softcap));
-      }
-    }
-    if (shape.alibi) {
-      const T slope = static_cast<T>(shape.slope);
-      const T diag0 = static_cast<T>(mask.diagonal(i0) - j);  // diagonal(i0 + c) - j = diag0 + c
-      for (int64_t c = 0; c < cols; c += W) {
-        const V dist = iota + (diag0 + static_cast<T>(c));
-        vstore(row + c, vload(row + c) - slope * (dist < 0 ? -dist : dist));
-      }
-    }
     policy::KeyRange queries = mask.queries_of_keys(j, j + 1);
     if (j >= mask.seqlen_k) queries = {1, 0};
-    if (queries.first > i0 || queries.last < i0 + cols - 1) {
-      const T first = static_cast<T>(queries.first - i0);
-      const T last = static_cast<T>(queries.last - i0);
-      for (int64_t c = 0; c < cols; c += W) {
-        const V i = iota + static_cast<T>(c);
-        vstore(row + c, (i < first) | (i > last) ? vset<T>(neg_inf) : vload(row + c));
-      }
-    }
+    shape_row<T>(s + r * ld, tanh_out ? tanh_out + r * ld : nullptr, cols, shape,
+                 static_cast<T>(mask.diagonal(i0) - j), T(1), queries.first - i0, queries.last - i0);
   }
 }
 
