@@ -3,7 +3,8 @@
 #   1. the C++ tests (GoogleTest via CTest) and the demo smoke test, at this machine's best SIMD level
 #   2. the C++ tests again at every SIMD level below that one (FLARE_CPU_ISA=avx512, avx2, generic), so
 #      the lower kernels are checked on a machine that would not pick them
-#   3. the Python tests (pytest), once python/ exists
+#   3. the Python tests (pytest over tests/python: torch ops, flash_attn API, transformers), with the pinned
+#      tests/python/requirements.txt installed by scripts/python-env.sh where missing
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -41,10 +42,8 @@ for isa in "${levels[@]}"; do
   FLARE_CPU_ISA=$isa ctest --test-dir build/release --output-on-failure -j"$jobs" "${filter[@]}"
 done
 
-# ---- Python tests (pytest) -------------------------------------------------------------------------
-# To be added with python/: install the pinned test requirements, then run e.g.
-#   python3 -m pytest tests/python -q
-# against build/release/src/libflare.so. Nothing runs here yet.
-# ------------------------------------------------------------------------------------------------------
+stage "Python tests (pytest, tests/python), against build/release/src/libflare.so"
+py=$(scripts/python-env.sh)  # a Python with the pinned tests/python/requirements.txt
+FLARE_LIBRARY="$PWD/build/release/src/libflare.so" HF_HUB_OFFLINE=1 "$py" -m pytest tests/python -q -p no:cacheprovider
 
 stage "all tests passed"
