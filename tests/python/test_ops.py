@@ -135,6 +135,12 @@ def test_errors_carry_the_library_message():
         fwd(rand(1, 8, 2, 16), rand(1, 8, 2, 16), rand(1, 8, 2, 16), window=(-3, -1))
     with pytest.raises(ValueError, match="dtype"):
         fwd(q.half(), k.float(), k.float())
+    e4m3 = rand(1, 8, 2, 16).to(torch.float8_e4m3fn)
+    with pytest.raises(NotImplementedError, match="FLARE_UNSUPPORTED"):  # valid, but not on the CPU
+        fwd(e4m3, e4m3, e4m3)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        bad = torch.tensor([0, 9], dtype=torch.int32)
+        ops.fwd(q[0], q[0], q[0], bad, bad, None, 9, 9, None, 0.0, False, -1, -1, 0.0, False)
 
 
 def test_introspection():
