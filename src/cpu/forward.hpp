@@ -172,18 +172,20 @@ inline void forward_tile(const Problem& p, const Sequence& seq, int64_t h, int64
 
   for (int64_t kb = first / Bk; first <= last && kb <= last / Bk; ++kb) {
     const int64_t j0 = kb * Bk;
-    gemm_tile<T, false>(Bq, Bk, d, t.q, dp, t.kt + kb * Bk * d, Bk, t.s, Bk);
-    if (!plain || !block_fully_visible(mask, i0, rows, j0, Bk))
-      shape_scores<T>(t.s, Bk, rows, Bk, i0, j0, mask, shape, nullptr);
+    // The last block is cut after the last visible key (causal diagonals, short sequences).
+    const int64_t cols = smin(Bk, round_up(last + 1 - j0, W));
+    gemm_tile<T, false>(Bq, cols, d, t.q, dp, t.kt + kb * Bk * d, Bk, t.s, Bk);
+    if (!plain || !block_fully_visible(mask, i0, rows, j0, cols))
+      shape_scores<T>(t.s, Bk, rows, cols, i0, j0, mask, shape, nullptr);
     for (int64_t r = 0; r < rows; ++r) {
       T* srow = t.s + r * Bk;
-      const T alpha = online_softmax_row<T>(srow, Bk, T(1), t.m[r], t.l[r],
+      const T alpha = online_softmax_row<T>(srow, cols, T(1), t.m[r], t.l[r],
                                             [srow](int64_t c, vec_t<T> e) { vstore(srow + c, e); });
       if (alpha != T(1)) scale_row<T>(t.o + r * dvp, dvp, alpha);
     }
     for (int64_t r = rows; r < Bq; ++r)
-      for (int64_t c = 0; c < Bk; c += W) vstore(t.s + r * Bk + c, V{});
-    gemm_tile<T, true>(Bq, dvp, Bk, t.s, Bk, t.v + kb * Bk * dvp, dvp, t.o, dvp);
+      for (int64_t c = 0; c < cols; c += W) vstore(t.s + r * Bk + c, V{});
+    gemm_tile<T, true>(Bq, dvp, cols, t.s, Bk, t.v + kb * Bk * dvp, dvp, t.o, dvp);
   }
 
   finish_rows<T>(p, t.o, dvp, t.m, t.l, rows, orows, lse, i0);

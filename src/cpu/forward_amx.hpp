@@ -116,9 +116,11 @@ struct AmxForward {
 
     for (int64_t kb = first / kBk; first <= last && kb <= last / kBk; ++kb) {
       const int64_t j0 = kb * kBk;
+      // The last block is cut after the last visible key (causal diagonals, short sequences).
+      const int64_t cols = smin(kBk, round_up(last + 1 - j0, 32));
       // S = Q K^T, 32 x 32 at a time.
       for (int64_t rb = 0; rb < row_blocks; ++rb) {
-        for (int64_t cb = 0; cb < kBk / 32; ++cb) {
+        for (int64_t cb = 0; cb < cols / 32; ++cb) {
           tile_zero<kC00>();
           tile_zero<kC01>();
           tile_zero<kC10>();
@@ -144,18 +146,18 @@ struct AmxForward {
       }
       // Plain, fully visible blocks fold the scale into the exponent; others are scaled and shaped first.
       float row_scale = scale;
-      if (!plain || !block_fully_visible(mask, i0, rows, j0, kBk)) {
-        for (int64_t r = 0; r < rows; ++r) scale_row<float>(t.s + r * kBk, kBk, scale);
-        shape_scores<float>(t.s, kBk, rows, kBk, i0, j0, mask, shape, nullptr);
+      if (!plain || !block_fully_visible(mask, i0, rows, j0, cols)) {
+        for (int64_t r = 0; r < rows; ++r) scale_row<float>(t.s + r * kBk, cols, scale);
+        shape_scores<float>(t.s, kBk, rows, cols, i0, j0, mask, shape, nullptr);
         row_scale = 1.0f;
       }
       for (int64_t r = 0; r < row_blocks * 32; ++r) {
         uint16_t* prow = t.p + r * kBk;
         if (r >= rows) {
-          std::memset(prow, 0, kBk * sizeof(uint16_t));
+          std::memset(prow, 0, cols * sizeof(uint16_t));
           continue;
         }
-        const float alpha = online_softmax_row<float>(t.s + r * kBk, kBk, row_scale, t.m[r], t.l[r],
+        const float alpha = online_softmax_row<float>(t.s + r * kBk, cols, row_scale, t.m[r], t.l[r],
                                                       [prow](int64_t c, V e) {
                                                         const __m256bh b = _mm512_cvtneps_pbh(static_cast<__m512>(e));
                                                         std::memcpy(prow + c, &b, sizeof(b));
@@ -170,7 +172,7 @@ struct AmxForward {
           tile_load<kC01>(o + 16, dvpad * 4);
           tile_load<kC10>(o + 16 * dvpad, dvpad * 4);
           tile_load<kC11>(o + 16 * dvpad + 16, dvpad * 4);
-          for (int64_t c = 0; c < kBk / 32; ++c) {
+          for (int64_t c = 0; c < cols / 32; ++c) {
             const uint16_t* b0 = t.vpack + ((kb * (kBk / 32) + c) * ws.ncol16 + cb * 2) * kTileElems;
             tile_load<kA0>(t.p + rb * 32 * kBk + c * 32, kBk * 2);
             tile_load<kA1>(t.p + (rb * 32 + 16) * kBk + c * 32, kBk * 2);
