@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building flare needs, only where it is missing (Debian / Ubuntu, apt-get):
-#   cmake (3.25+ for CMakePresets.json v6), g++ (C++20, OpenMP), make, and with --tests libgtest-dev.
+#   cmake (3.25+ for CMakePresets.json v6), g++ (C++20, OpenMP), make, and with --tests libgtest-dev and
+#   python3 with pip and venv (the Python tests' packages are scripts/python-env.sh's business).
 # Checks with command -v / dpkg first, so on a ready machine it does nothing. Used by demo.sh, test.sh
 # and .ci/run; runnable on its own: scripts/ensure-deps.sh [--tests]
 set -euo pipefail
@@ -20,6 +21,11 @@ command -v make >/dev/null 2>&1 || missing+=(make)
 # GoogleTest is a library, not a command: ask dpkg (elsewhere, CMake's find_package reports it if absent).
 if [[ $want_tests == 1 ]] && command -v dpkg >/dev/null 2>&1 && ! dpkg -s libgtest-dev >/dev/null 2>&1; then
   missing+=(libgtest-dev)
+fi
+if [[ $want_tests == 1 ]]; then
+  command -v python3 >/dev/null 2>&1 || missing+=(python3)
+  python3 -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
+  python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || missing+=(python3-venv)
 fi
 
 if ((${#missing[@]} > 0)); then

@@ -2,9 +2,9 @@
 
 Migrating is an import change: `from flare.flash_attn_interface import flash_attn_func` (or `from flare
 import ...`) instead of `from flash_attn import ...`. What flare does not do raises NotImplementedError that
-names the argument: dropout_p > 0 and return_attn_probs=True with dropout (flash-attn returns no
-probabilities without dropout either: with dropout_p == 0 it gives (out, softmax_lse, None), and so does
-flare). Extras beyond flash-attn 2.x on flash_attn_varlen_func: seqused_k, out=, return_softmax_lse.
+names the argument: dropout_p > 0, and so attention probabilities (flash-attn returns none without dropout
+either: with dropout_p == 0, return_attn_probs=True gives (out, softmax_lse, an empty tensor), and so does
+flare — the way callers get softmax_lse). Extras beyond flash-attn 2.x on flash_attn_varlen_func: seqused_k, out=, return_softmax_lse.
 Everything runs through the torch ops in ops.py (autograd, torch.compile).
 """
 
@@ -44,8 +44,8 @@ def _window(window_size) -> Tuple[int, int]:
 
 
 def _result(out: Tensor, lse: Tensor, return_attn_probs: bool):
-    # flash-attn 2.x returns (out, softmax_lse, S_dmask); S_dmask is None whenever dropout_p == 0.
-    return (out, lse, None) if return_attn_probs else out
+    # flash-attn 2.x returns (out, softmax_lse, S_dmask); without dropout its S_dmask is an empty tensor.
+    return (out, lse, out.new_empty(0)) if return_attn_probs else out
 
 
 def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic):
@@ -58,7 +58,7 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim) -> out like q
-    (with return_attn_probs: (out, softmax_lse (batch, nheads, seqlen_q), None))."""
+    (with return_attn_probs: (out, softmax_lse (batch, nheads, seqlen_q), empty S_dmask))."""
     out, lse = _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                       deterministic)
     return _result(out, lse, return_attn_probs)
