@@ -8,7 +8,6 @@ flare — the way callers get softmax_lse). Extras beyond flash-attn 2.x on flas
 Everything runs through the torch ops in ops.py (autograd, torch.compile).
 """
 
-import math
 from typing import Optional, Tuple
 
 import torch
