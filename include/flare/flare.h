@@ -127,7 +127,8 @@ typedef struct flare_attn_options {
 /* How the work runs. */
 typedef struct flare_exec_options {
   void* stream;           /* CUDA: a cudaStream_t (NULL = the default stream). CPU: ignored. */
-  int32_t num_threads;    /* CPU: worker threads; 0 = OpenMP's default */
+  int32_t num_threads;    /* CPU: worker threads; 0 = OpenMP's default, fewer for small problems
+                             (about one thread per 16 MFLOP of work) */
   void* workspace;        /* optional scratch; NULL = flare allocates (see *_workspace_size) */
   size_t workspace_size;  /* bytes available at workspace */
 } flare_exec_options;

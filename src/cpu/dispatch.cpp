@@ -80,7 +80,20 @@ const Kernels& kernels() {
   return chosen;
 }
 
-int thread_count(const Problem& p) { return p.num_threads > 0 ? p.num_threads : omp_get_max_threads(); }
+// The caller's num_threads, or by default OpenMP's thread count cut for small problems: waking a thread
+// and meeting it at barriers costs more than a few MFLOP of work (and much more when the cores are shared
+// with other processes). The count depends only on the problem, so results stay reproducible.
+int thread_count(const Problem& p) {
+  if (p.num_threads > 0) return p.num_threads;
+  constexpr double kFlopsPerThread = 16e6;
+  const double pass_factor = p.pass == detail::Pass::kBackward ? 2.5 : 1.0;
+  const double keys = static_cast<double>(p.pass == detail::Pass::kKvCache ? p.seqlen_cache : p.seqlen_k);
+  const double flops = 2.0 * pass_factor * static_cast<double>(p.batch) * static_cast<double>(p.nheads) *
+                       static_cast<double>(p.seqlen_q) * keys * static_cast<double>(p.headdim + p.headdim_v);
+  const int by_work = static_cast<int>(flops / kFlopsPerThread);
+  const int most = omp_get_max_threads();
+  return by_work < 1 ? 1 : by_work < most ? by_work : most;
+}
 
 // Runs pass with scratch of `bytes`: the caller's workspace when given (validated to be large enough),
 // else one allocation; fails with OUT_OF_MEMORY before anything is written.
