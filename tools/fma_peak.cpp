@@ -2,23 +2,30 @@
 //
 // Every OpenMP thread runs a loop of independent fused multiply-add chains that never touch memory, so
 // the figure is the core's issue rate: fp32 FMA with 512-bit (AVX-512) and 256-bit (AVX2) vectors, and
-// bf16 dot products (vdpbf16ps, AVX512_BF16) when the processor has them. Each chain depends on itself
+// bf16 dot products (vdpbf16ps, AVX512_BF16) and AMX tile dot products (tdpbf16ps) when the processor
+// has them. Each chain depends on itself
 // only; with enough chains per thread the FMA latency (4 cycles) is hidden behind the two FMA ports.
 //
 //   fma_peak            a readable report
 //   fma_peak --json     one JSON object: {"threads": 2, "fma_fp32_gflops": ..., ...} (absent = unsupported)
 //
 // FLOPs count a multiply and an add each: fp32 FMA = 2 per lane; vdpbf16ps = 2 products + 2 adds per
-// fp32 lane (each lane accumulates a pair of bf16 products) = 4 per lane, 64 per 512-bit instruction.
+// fp32 lane (each lane accumulates a pair of bf16 products) = 4 per lane, 64 per 512-bit instruction;
+// tdpbf16ps = 16 x 16 x 32 multiply-adds = 16384.
 #include <omp.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <string>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+#if defined(__linux__)
+#  include <sys/syscall.h>
+#  include <unistd.h>
+#endif
 #endif
 
 namespace {
@@ -92,6 +99,51 @@ __attribute__((target("avx512f,avx512bf16"))) float dpbf16_chains(long iters) {
   return sum_lanes(acc, kChains);
 }
 
+// AMX-BF16: four independent accumulator tiles, each fed the same A and B tiles (no loads in the loop);
+// one tdpbf16ps is 16 x 16 x 32 multiply-adds. The tile state needs the Linux permission request first.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool request_amx() {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) float amx_chains(long iters) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+  alignas(64) static thread_local uint16_t operand[16 * 32];
+  for (auto& x : operand) x = 0x3c00;  // bf16 2^-7: sums stay finite for any iteration count
+  _tile_loadd(4, operand, 64);
+  _tile_loadd(5, operand, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (long i = 0; i < iters; ++i) {
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_dpbf16ps(1, 4, 5);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  alignas(64) static thread_local float out[16 * 16];
+  _tile_stored(0, out, 64);
+  _tile_release();
+  return out[0];
+}
 #endif  // __x86_64__
 
 using Kernel = float (*)(long);
@@ -130,6 +182,7 @@ struct Ceilings {
   double avx512_fp32 = -1.0;  // < 0: not supported by this processor
   double avx2_fp32 = -1.0;
   double dpbf16 = -1.0;
+  double amx_bf16 = -1.0;
 };
 
 Ceilings measure_all() {
@@ -143,6 +196,8 @@ Ceilings measure_all() {
     c.avx2_fp32 = measure_gflops(fma_chains_avx2, kChainsAvx2 * 8 * 2.0, c.threads);
   if (__builtin_cpu_supports("avx512bf16"))
     c.dpbf16 = measure_gflops(dpbf16_chains, kChains * 16 * 4.0, c.threads);
+  if (__builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && request_amx())
+    c.amx_bf16 = measure_gflops(amx_chains, 4 * 16 * 16 * 32 * 2.0, c.threads);
 #endif
   return c;
 }
@@ -160,6 +215,7 @@ void print_json(const Ceilings& c) {
   add("fma_fp32_avx512_gflops", c.avx512_fp32);
   add("fma_fp32_avx2_gflops", c.avx2_fp32);
   add("dpbf16_gflops", c.dpbf16);
+  add("amx_bf16_gflops", c.amx_bf16);
   s += "}";
   std::puts(s.c_str());
 }
@@ -175,6 +231,7 @@ void print_report(const Ceilings& c) {
   line("fp32 FMA, AVX-512 (zmm)", c.avx512_fp32);
   line("fp32 FMA, AVX2 (ymm)", c.avx2_fp32);
   line("bf16 dot product, vdpbf16ps (zmm)", c.dpbf16);
+  line("bf16 tile dot product, AMX tdpbf16ps", c.amx_bf16);
 }
 
 }  // namespace
