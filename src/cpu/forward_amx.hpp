@@ -1,10 +1,9 @@
 // forward_amx.hpp — the bf16 forward pass on AMX tile units (Intel Sapphire Rapids and later).
 //
-// Same algorithm and driver as forward.hpp (run_forward), with both matrix products on tiles:
-//   S = Q K^T : A = Q tile rows (bf16, row-major), B = K packed as [d pair][key][2] ("VNNI"),
-//   O += P V  : A = P (bf16, rounded from the fp32 softmax), B = V packed as [key pair][column][2].
+// Same algorithm and driver as forward.hpp (run_forward), with both matrix products on tiles (amx.hpp):
+//   S = Q Kᵀ : A = Q tile rows (bf16), B = K as VNNI pairs along the head dimension,
+//   O += P V : A = P (bf16, rounded from the fp32 softmax), B = V as VNNI pairs along keys.
 // Accumulation is fp32 in the tile registers; softmax, masks and the running max/sum stay fp32 on AVX-512.
-// Tiles are 16 rows x 64 bytes; a 32 x 32 block of C uses four accumulators, two A and two B tiles.
 #pragma once
 
 #include "cpu/amx.hpp"
@@ -18,8 +17,8 @@ struct AmxForward {
   struct Scratch {
     int64_t dpad = 0, dvpad = 0, nchunks = 0, ncol16 = 0;
     struct PerThread {
-      uint16_t* kpack;  // the key pack in use: per key block (kBk / 16) key groups x nchunks tiles
-      uint16_t* vpack;  // and (kBk / 32) key chunks x ncol16 tiles
+      uint16_t* kpack;  // the key pack in use: per key block (kBk / 16) n-groups x nchunks tiles of K
+      uint16_t* vpack;  // and ncol16 n-groups x (kBk / 32) chunks of V
       uint16_t* q;
       float* s;
       uint16_t* p;
@@ -56,33 +55,19 @@ struct AmxForward {
                    const Scratch& ws, int tid) {
     const int64_t d = p.headdim, dv = p.headdim_v;
     const auto& t = ws.threads[tid];
-    // K: tile (group g, chunk c) holds [pair r][key n][2] = K[key g*16+n][c*32 + 2r + e].
-    for (int64_t g = 0; g < kBk / 16; ++g) {
-      for (int64_t n = 0; n < 16; ++n) {
-        const int64_t j = kb * kBk + g * 16 + n;
-        const uint16_t* src = j < seqlen_k ? reinterpret_cast<const uint16_t*>(krows.row(j)) : nullptr;
-        for (int64_t c = 0; c < ws.nchunks; ++c) {
-          uint16_t* tile = t.kpack + ((kb * (kBk / 16) + g) * ws.nchunks + c) * kTileElems;
-          for (int64_t e = 0; e < 32; ++e) {
-            const int64_t col = c * 32 + e;
-            tile[(e / 2 * 16 + n) * 2 + e % 2] = (src && col < d) ? src[col] : uint16_t(0);
-          }
-        }
-      }
-    }
-    // V: tile (chunk c, column group cg) holds [pair r][column n][2] = V[key c*32 + 2r + e][cg*16 + n].
-    for (int64_t c = 0; c < kBk / 32; ++c) {
-      for (int64_t kk = 0; kk < 32; ++kk) {
-        const int64_t j = kb * kBk + c * 32 + kk;
-        const uint16_t* src = j < seqlen_k ? reinterpret_cast<const uint16_t*>(vrows.row(j)) : nullptr;
-        for (int64_t cg = 0; cg < ws.ncol16; ++cg) {
-          uint16_t* tile = t.vpack + ((kb * (kBk / 32) + c) * ws.ncol16 + cg) * kTileElems;
-          for (int64_t n = 0; n < 16; ++n) {
-            const int64_t col = cg * 16 + n;
-            tile[(kk / 2 * 16 + n) * 2 + kk % 2] = (src && col < dv) ? src[col] : uint16_t(0);
-          }
-        }
-      }
+    // Per key block: K as the B operand of S = Q Kᵀ (k = head dim, n = key), V as the B operand of
+    // O += P V (k = key, n = column); both in the VNNI tile layout of amx.hpp.
+    uint16_t* kblock = t.kpack + kb * (kBk / 16) * ws.nchunks * kTileElems;
+    uint16_t* vblock = t.vpack + kb * (kBk / 32) * ws.ncol16 * kTileElems;
+    for (int64_t jj = 0; jj < kBk; ++jj) {
+      const int64_t j = kb * kBk + jj;
+      const bool in = j < seqlen_k;
+      const uint16_t* ksrc = in ? reinterpret_cast<const uint16_t*>(krows.row(j)) : nullptr;
+      const uint16_t* vsrc = in ? reinterpret_cast<const uint16_t*>(vrows.row(j)) : nullptr;
+      for (int64_t c = 0; c < ws.dpad; ++c)
+        kblock[vnni_offset(c, jj, ws.nchunks)] = (in && c < d) ? ksrc[c] : uint16_t(0);
+      for (int64_t c = 0; c < ws.dvpad; ++c)
+        vblock[vnni_offset(jj, c, kBk / 32)] = (in && c < dv) ? vsrc[c] : uint16_t(0);
     }
   }
 
@@ -118,32 +103,9 @@ struct AmxForward {
       const int64_t j0 = kb * kBk;
       // The last block is cut after the last visible key (causal diagonals, short sequences).
       const int64_t cols = smin(kBk, round_up(last + 1 - j0, 32));
-      // S = Q K^T, 32 x 32 at a time.
-      for (int64_t rb = 0; rb < row_blocks; ++rb) {
-        for (int64_t cb = 0; cb < cols / 32; ++cb) {
-          tile_zero<kC00>();
-          tile_zero<kC01>();
-          tile_zero<kC10>();
-          tile_zero<kC11>();
-          const uint16_t* b0 = t.kpack + (kb * (kBk / 16) + cb * 2) * ws.nchunks * kTileElems;
-          const uint16_t* b1 = b0 + ws.nchunks * kTileElems;
-          for (int64_t c = 0; c < ws.nchunks; ++c) {
-            tile_load<kA0>(t.q + rb * 32 * dpad + c * 32, dpad * 2);
-            tile_load<kA1>(t.q + (rb * 32 + 16) * dpad + c * 32, dpad * 2);
-            tile_load<kB0>(b0 + c * kTileElems, 64);
-            tile_load<kB1>(b1 + c * kTileElems, 64);
-            tile_dot_bf16<kC00, kA0, kB0>();
-            tile_dot_bf16<kC01, kA0, kB1>();
-            tile_dot_bf16<kC10, kA1, kB0>();
-            tile_dot_bf16<kC11, kA1, kB1>();
-          }
-          float* s = t.s + rb * 32 * kBk + cb * 32;
-          tile_store<kC00>(s, kBk * 4);
-          tile_store<kC01>(s + 16, kBk * 4);
-          tile_store<kC10>(s + 16 * kBk, kBk * 4);
-          tile_store<kC11>(s + 16 * kBk + 16, kBk * 4);
-        }
-      }
+      const uint16_t* kblock = t.kpack + kb * (kBk / 16) * ws.nchunks * kTileElems;
+      const uint16_t* vblock = t.vpack + kb * (kBk / 32) * ws.ncol16 * kTileElems;
+      amx_gemm<false>(row_blocks * 32, cols, dpad, t.q, dpad, kblock, ws.nchunks, 0, 0, t.s, kBk);  // S = Q Kᵀ
       // Plain, fully visible blocks fold the scale into the exponent; others are scaled and shaped first.
       float row_scale = scale;
       if (!plain || !block_fully_visible(mask, i0, rows, j0, cols)) {
@@ -164,31 +126,7 @@ struct AmxForward {
                                                       });
         if (alpha != 1.0f) scale_row<float>(t.o + r * dvpad, dvpad, alpha);
       }
-      // O += P V, 32 x 32 at a time, accumulating through memory.
-      for (int64_t rb = 0; rb < row_blocks; ++rb) {
-        for (int64_t cb = 0; cb < dvpad / 32; ++cb) {
-          float* o = t.o + rb * 32 * dvpad + cb * 32;
-          tile_load<kC00>(o, dvpad * 4);
-          tile_load<kC01>(o + 16, dvpad * 4);
-          tile_load<kC10>(o + 16 * dvpad, dvpad * 4);
-          tile_load<kC11>(o + 16 * dvpad + 16, dvpad * 4);
-          for (int64_t c = 0; c < cols / 32; ++c) {
-            const uint16_t* b0 = t.vpack + ((kb * (kBk / 32) + c) * ws.ncol16 + cb * 2) * kTileElems;
-            tile_load<kA0>(t.p + rb * 32 * kBk + c * 32, kBk * 2);
-            tile_load<kA1>(t.p + (rb * 32 + 16) * kBk + c * 32, kBk * 2);
-            tile_load<kB0>(b0, 64);
-            tile_load<kB1>(b0 + kTileElems, 64);
-            tile_dot_bf16<kC00, kA0, kB0>();
-            tile_dot_bf16<kC01, kA0, kB1>();
-            tile_dot_bf16<kC10, kA1, kB0>();
-            tile_dot_bf16<kC11, kA1, kB1>();
-          }
-          tile_store<kC00>(o, dvpad * 4);
-          tile_store<kC01>(o + 16, dvpad * 4);
-          tile_store<kC10>(o + 16 * dvpad, dvpad * 4);
-          tile_store<kC11>(o + 16 * dvpad + 16, dvpad * 4);
-        }
-      }
+      amx_gemm<true>(row_blocks * 32, dvpad, cols, t.p, kBk, vblock, kBk / 32, 0, 0, t.o, dvpad);  // O += P V
     }
     finish_rows<float>(p, t.o, dvpad, t.m, t.l, rows, query_rows(p, p.out, seq, h), lse_row(p, seq, h), i0);
   }
