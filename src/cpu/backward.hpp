@@ -12,10 +12,8 @@
 // Q carries the softmax scale, so dK needs no extra factor and dQ is scaled once at the end.
 #pragma once
 
-#include <omp.h>
-
 #include "cpu/arena.hpp"
-#include "cpu/forward.hpp"
+#include "cpu/groups.hpp"
 #include "cpu/score_tile.hpp"
 #include "cpu/sequences.hpp"
 #include "cpu/tile_gemm.hpp"
@@ -226,29 +224,6 @@ struct FmaBackward {
   }
 };
 
-template <class Engine>
-inline size_t backward_scratch_bytes(const Problem& p, int nt) {
-  Arena a;
-  typename Engine::Scratch ws;
-  ws.layout(a, p, nt);
-  return a.used();
-}
-
-// Runs f(i) for i in [0, n): split over the team (a worksharing loop, round-robin when RoundRobin) when
-// Shared, else all on the calling thread.
-template <bool Shared, bool RoundRobin = false, class F>
-inline void team_loop(int64_t n, F f) {
-  if constexpr (!Shared) {
-    for (int64_t i = 0; i < n; ++i) f(i);
-  } else if constexpr (RoundRobin) {
-#pragma omp for schedule(static, 1)
-    for (int64_t i = 0; i < n; ++i) f(i);
-  } else {
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < n; ++i) f(i);
-  }
-}
-
 // The whole backward of one (sequence, kv head) group, by the team (Shared) or by one thread.
 template <class Engine, bool Shared>
 inline void backward_group(const Problem& p, const Sequence& seq, int64_t hk, const typename Engine::Scratch& ws,
@@ -263,7 +238,7 @@ inline void backward_group(const Problem& p, const Sequence& seq, int64_t hk, co
     team_loop<Shared>(nqb, [&](int64_t qt) { Engine::pack_queries(p, seq, h, qt, ws, tid); });
     Engine::clear_dq(seq, ws, tid);
     // Round-robin blocks: under a causal mask late key blocks have fewer queries.
-    team_loop<Shared, true>(nkb, [&](int64_t kb) {
+    team_loop<Shared, Schedule::kRoundRobin>(nkb, [&](int64_t kb) {
       const policy::KeyRange queries = mask.queries_of_keys(kb * Bk, smin((kb + 1) * Bk, seq.seqlen_k));
       const int64_t first = smax<int64_t>(queries.first, 0);
       const int64_t last = smin<int64_t>(queries.last, seq.seqlen_q - 1);
@@ -278,26 +253,9 @@ inline void backward_group(const Problem& p, const Sequence& seq, int64_t hk, co
 
 template <class Engine>
 inline void run_backward(const Problem& p, void* scratch, int nt) {
-  Arena arena(scratch);
-  typename Engine::Scratch ws;
-  ws.layout(arena, p, nt);
-  const bool private_groups = use_private_groups(p, nt);
-
-#pragma omp parallel num_threads(nt)
-  {
-    const int tid = omp_get_thread_num();
-    Engine::thread_begin();
-    if (private_groups) {
-#pragma omp for schedule(dynamic, 1) collapse(2)
-      for (int64_t b = 0; b < p.batch; ++b)
-        for (int64_t hk = 0; hk < p.nheads_k; ++hk)
-          backward_group<Engine, false>(p, sequence_of(p, b), hk, ws, tid, nt);
-    } else {
-      for (int64_t b = 0; b < p.batch; ++b)
-        for (int64_t hk = 0; hk < p.nheads_k; ++hk) backward_group<Engine, true>(p, sequence_of(p, b), hk, ws, tid, nt);
-    }
-    Engine::thread_end();
-  }
+  run_groups<Engine>(p, scratch, nt, [&](const auto& ws, const Sequence& seq, int64_t hk, int tid, auto shared) {
+    backward_group<Engine, decltype(shared)::value>(p, seq, hk, ws, tid, nt);
+  });
 }
 
 }  // namespace flare::cpu::FLARE_ISA

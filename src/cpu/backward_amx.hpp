@@ -14,6 +14,7 @@
 
 #include "cpu/amx.hpp"
 #include "cpu/backward.hpp"
+#include "cpu/forward.hpp"  // scale_row
 
 namespace flare::cpu::FLARE_ISA {
 

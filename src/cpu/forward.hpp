@@ -12,9 +12,9 @@
 #pragma once
 
 #include <cmath>
-#include <omp.h>
 
 #include "cpu/arena.hpp"
+#include "cpu/groups.hpp"
 #include "cpu/score_tile.hpp"
 #include "cpu/sequences.hpp"
 #include "cpu/tile_gemm.hpp"
@@ -31,10 +31,6 @@ inline int64_t max_keys(const Problem& p) {
   return p.pass == Pass::kKvCache ? p.seqlen_cache : p.seqlen_k;
 }
 
-// Whether each thread takes whole (sequence, kv head) groups with packs of its own, rather than all threads
-// sharing one group at a time: chosen when there are enough groups to keep every thread busy. Private groups
-// need no barriers, and their results do not depend on the thread count.
-inline bool use_private_groups(const Problem& p, int nt) { return nt == 1 || p.batch * p.nheads_k >= 4 * nt; }
 
 template <class T>
 struct ForwardScratch {
@@ -207,61 +203,23 @@ struct FmaForward {
   }
 };
 
-template <class Engine>
-inline size_t forward_scratch_bytes(const Problem& p, int nt) {
-  Arena a;
-  typename Engine::Scratch ws;
-  ws.layout(a, p, nt);
-  return a.used();
-}
-
 // Per (sequence, kv head) group: pack the keys once, then run the group's query heads x query tiles.
 template <class Engine>
 inline void run_forward(const Problem& p, void* scratch, int nt) {
   constexpr int64_t Bq = Engine::kBq, Bk = Engine::kBk;
-  Arena arena(scratch);
-  typename Engine::Scratch ws;
-  ws.layout(arena, p, nt);
   const int64_t group = p.nheads / p.nheads_k;
-  const bool private_groups = use_private_groups(p, nt);
-
-#pragma omp parallel num_threads(nt)
-  {
-    const int tid = omp_get_thread_num();
-    Engine::thread_begin();
-    if (private_groups) {
-#pragma omp for schedule(dynamic, 1) collapse(2)
-      for (int64_t b = 0; b < p.batch; ++b) {
-        for (int64_t hk = 0; hk < p.nheads_k; ++hk) {
-          const Sequence seq = sequence_of(p, b);
-          if (seq.seqlen_q == 0) continue;
-          const int64_t nkb = (seq.seqlen_k + Bk - 1) / Bk, nqt = (seq.seqlen_q + Bq - 1) / Bq;
-          const RowPtr krows = key_rows(p, p.k, seq, hk), vrows = key_rows(p, p.v, seq, hk);
-          for (int64_t kb = 0; kb < nkb; ++kb) Engine::pack(p, krows, vrows, seq.seqlen_k, kb, ws, tid);
-          for (int64_t task = 0; task < group * nqt; ++task)
-            Engine::tile(p, seq, hk * group + task % group, task / group * Bq, ws, tid);
-        }
-      }
-    } else {
-      for (int64_t b = 0; b < p.batch; ++b) {
-        const Sequence seq = sequence_of(p, b);
-        if (seq.seqlen_q == 0) continue;
-        const int64_t nkb = (seq.seqlen_k + Bk - 1) / Bk, nqt = (seq.seqlen_q + Bq - 1) / Bq;
-        for (int64_t hk = 0; hk < p.nheads_k; ++hk) {
-          const RowPtr krows = key_rows(p, p.k, seq, hk), vrows = key_rows(p, p.v, seq, hk);
-#pragma omp for schedule(static)
-          for (int64_t kb = 0; kb < nkb; ++kb) Engine::pack(p, krows, vrows, seq.seqlen_k, kb, ws, tid);
-          // Tiles near the end of a causal sequence see the most keys: hand them out first.
-#pragma omp for schedule(dynamic, 1)
-          for (int64_t task = 0; task < group * nqt; ++task) {
-            const int64_t qt = nqt - 1 - task / group;
-            Engine::tile(p, seq, hk * group + task % group, qt * Bq, ws, tid);
-          }
-        }
-      }
-    }
-    Engine::thread_end();
-  }
+  run_groups<Engine>(p, scratch, nt, [&](const auto& ws, const Sequence& seq, int64_t hk, int tid, auto shared) {
+    constexpr bool Shared = decltype(shared)::value;
+    if (seq.seqlen_q == 0) return;
+    const int64_t nkb = (seq.seqlen_k + Bk - 1) / Bk, nqt = (seq.seqlen_q + Bq - 1) / Bq;
+    const RowPtr krows = key_rows(p, p.k, seq, hk), vrows = key_rows(p, p.v, seq, hk);
+    team_loop<Shared>(nkb, [&](int64_t kb) { Engine::pack(p, krows, vrows, seq.seqlen_k, kb, ws, tid); });
+    // Tiles near the end of a causal sequence see the most keys: hand them out first.
+    team_loop<Shared, Schedule::kDynamic>(group * nqt, [&](int64_t task) {
+      const int64_t qt = nqt - 1 - task / group;
+      Engine::tile(p, seq, hk * group + task % group, qt * Bq, ws, tid);
+    });
+  });
 }
 
 }  // namespace flare::cpu::FLARE_ISA

@@ -10,9 +10,9 @@ namespace flare::cpu::amx {
 
 size_t forward_scratch(const detail::Problem& p, int threads) {
   switch (p.dtype) {
-    case FLARE_DTYPE_BF16: return forward_scratch_bytes<AmxForward>(p, threads);
-    case FLARE_DTYPE_F64: return forward_scratch_bytes<FmaForward<double>>(p, threads);
-    default: return forward_scratch_bytes<FmaForward<float>>(p, threads);
+    case FLARE_DTYPE_BF16: return scratch_bytes<AmxForward>(p, threads);
+    case FLARE_DTYPE_F64: return scratch_bytes<FmaForward<double>>(p, threads);
+    default: return scratch_bytes<FmaForward<float>>(p, threads);
   }
 }
 void forward(const detail::Problem& p, void* scratch, int threads) {
@@ -24,9 +24,9 @@ void forward(const detail::Problem& p, void* scratch, int threads) {
 }
 size_t backward_scratch(const detail::Problem& p, int threads) {
   switch (p.dtype) {
-    case FLARE_DTYPE_BF16: return backward_scratch_bytes<AmxBackward>(p, threads);
-    case FLARE_DTYPE_F64: return backward_scratch_bytes<FmaBackward<double>>(p, threads);
-    default: return backward_scratch_bytes<FmaBackward<float>>(p, threads);
+    case FLARE_DTYPE_BF16: return scratch_bytes<AmxBackward>(p, threads);
+    case FLARE_DTYPE_F64: return scratch_bytes<FmaBackward<double>>(p, threads);
+    default: return scratch_bytes<FmaBackward<float>>(p, threads);
   }
 }
 void backward(const detail::Problem& p, void* scratch, int threads) {

@@ -1,0 +1,73 @@
+// groups.hpp — how a pass spreads over threads. Work is organised by (sequence, kv head) group: a group's
+// keys are packed once and serve all its query heads. With many groups each thread takes whole groups with
+// packs of its own (no barriers; results independent of the thread count); with few, the whole team enters
+// every group and splits its work with worksharing loops (team_loop).
+#pragma once
+
+#include <omp.h>
+
+#include <type_traits>
+
+#include "cpu/arena.hpp"
+#include "cpu/sequences.hpp"
+
+namespace flare::cpu::FLARE_ISA {
+
+// Whether each thread takes whole groups: when there are enough of them to keep every thread busy.
+inline bool use_private_groups(const Problem& p, int nt) { return nt == 1 || p.batch * p.nheads_k >= 4 * nt; }
+
+// Bytes of scratch an engine lays out for this problem (measured by laying it out on a null base).
+template <class Engine>
+inline size_t scratch_bytes(const Problem& p, int nt) {
+  Arena a;
+  typename Engine::Scratch ws;
+  ws.layout(a, p, nt);
+  return a.used();
+}
+
+enum class Schedule { kStatic, kRoundRobin, kDynamic };
+
+// Runs f(i) for i in [0, n): split over the team when Shared (a worksharing loop, so every thread of the
+// team must reach it), else all on the calling thread.
+template <bool Shared, Schedule S = Schedule::kStatic, class F>
+inline void team_loop(int64_t n, F f) {
+  if constexpr (!Shared) {
+    for (int64_t i = 0; i < n; ++i) f(i);
+  } else if constexpr (S == Schedule::kRoundRobin) {
+#pragma omp for schedule(static, 1)
+    for (int64_t i = 0; i < n; ++i) f(i);
+  } else if constexpr (S == Schedule::kDynamic) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) f(i);
+  } else {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; ++i) f(i);
+  }
+}
+
+// Lays out the engine's scratch and runs group(ws, seq, hk, tid, shared) for every group on a team of nt
+// threads; `shared` is std::true_type when the whole team runs the group together.
+template <class Engine, class Group>
+inline void run_groups(const Problem& p, void* scratch, int nt, Group group) {
+  Arena arena(scratch);
+  typename Engine::Scratch ws;
+  ws.layout(arena, p, nt);
+  const bool private_groups = use_private_groups(p, nt);
+
+#pragma omp parallel num_threads(nt)
+  {
+    const int tid = omp_get_thread_num();
+    Engine::thread_begin();
+    if (private_groups) {
+#pragma omp for schedule(dynamic, 1) collapse(2)
+      for (int64_t b = 0; b < p.batch; ++b)
+        for (int64_t hk = 0; hk < p.nheads_k; ++hk) group(ws, sequence_of(p, b), hk, tid, std::false_type{});
+    } else {
+      for (int64_t b = 0; b < p.batch; ++b)
+        for (int64_t hk = 0; hk < p.nheads_k; ++hk) group(ws, sequence_of(p, b), hk, tid, std::true_type{});
+    }
+    Engine::thread_end();
+  }
+}
+
+}  // namespace flare::cpu::FLARE_ISA
