@@ -54,13 +54,12 @@ def _attn_options(ref: Tensor, softmax_scale: float, causal: bool, window_left: 
 
 
 def _exec_options(ref: Tensor):
-    """flare_exec_options for the device of ref: the current torch stream on CUDA, torch's intra-op thread
-    count on the CPU (so torch.set_num_threads governs flare too); flare allocates its own scratch."""
+    """flare_exec_options for the device of ref: the current torch stream on CUDA; on the CPU num_threads
+    stays 0, so flare picks the count (OpenMP's, OMP_NUM_THREADS, cut for small problems); flare allocates
+    its own scratch."""
     ex = _capi.flare_exec_options()
     if ref.device.type == "cuda":
         ex.stream = torch.cuda.current_stream(ref.device).cuda_stream
-    else:
-        ex.num_threads = torch.get_num_threads()
     return ex
 
 
