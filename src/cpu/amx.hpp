@@ -62,6 +62,47 @@ inline int64_t vnni_offset(int64_t k, int64_t n, int64_t b_chunks) {
   return ((n / 16) * b_chunks + k / 32) * kTileElems + ((k % 32) / 2 * 16 + n % 16) * 2 + k % 2;
 }
 
+// Packs rows as a B operand whose k runs along each row (K for S = Q Kᵀ: row n is key n, k the head
+// dimension): row(n) gives row n's first k_len bf16 elements (nullptr: a zero row), for n in
+// [n0, n0 + n_count); k is zero-padded to b_chunks * 32. Each pair (k, k + 1) is one 32-bit word.
+template <class RowFn>
+inline void pack_b_k_along_rows(uint16_t* dst, int64_t b_chunks, int64_t n0, int64_t n_count, int64_t k_len,
+                                RowFn row) {
+  uint32_t* words = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t n = n0; n < n0 + n_count; ++n) {
+    const uint16_t* src = row(n);
+    uint32_t* base = words + (n / 16) * b_chunks * (kTileElems / 2) + n % 16;
+    for (int64_t q = 0; q < b_chunks * 16; ++q) {  // pair q holds k = 2q, 2q + 1
+      uint32_t v = 0;
+      if (src != nullptr && 2 * q + 1 < k_len) {
+        std::memcpy(&v, src + 2 * q, sizeof(v));
+      } else if (src != nullptr && 2 * q < k_len) {
+        v = src[2 * q];
+      }
+      base[(q / 16) * (kTileElems / 2) + (q % 16) * 16] = v;
+    }
+  }
+}
+
+// Packs rows as a B operand whose rows run along k (V for O += P V: row k is key k, n the column): row(k)
+// gives row k's first n_len bf16 elements (nullptr: a zero row), for k in [k0, k0 + k_count) (k0 and
+// k_count even); n is zero-padded to n_pad (a multiple of 16). Rows k and k + 1 interleave into words.
+template <class RowFn>
+inline void pack_b_n_along_rows(uint16_t* dst, int64_t b_chunks, int64_t k0, int64_t k_count, int64_t n_len,
+                                int64_t n_pad, RowFn row) {
+  uint32_t* words = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t k = k0; k < k0 + k_count; k += 2) {
+    const uint16_t* even = row(k);
+    const uint16_t* odd = row(k + 1);
+    uint32_t* base = words + (k / 32) * (kTileElems / 2) + (k % 32) / 2 * 16;
+    for (int64_t n = 0; n < n_pad; ++n) {
+      const uint32_t lo = (even != nullptr && n < n_len) ? even[n] : 0u;
+      const uint32_t hi = (odd != nullptr && n < n_len) ? odd[n] : 0u;
+      base[(n / 16) * b_chunks * (kTileElems / 2) + n % 16] = lo | (hi << 16);
+    }
+  }
+}
+
 // C (m x n, fp32, leading dimension ldc) = or += A (m x k, bf16 rows, leading dimension lda) times the B
 // tiles starting at n_group n0 and k_chunk k0 of a VNNI operand with b_chunks chunks per n_group.
 // m, n and k are multiples of 32; each 32 x 32 block of C lives in four accumulator tiles.

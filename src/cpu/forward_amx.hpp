@@ -59,16 +59,14 @@ struct AmxForward {
     // O += P V (k = key, n = column); both in the VNNI tile layout of amx.hpp.
     uint16_t* kblock = t.kpack + kb * (kBk / 16) * ws.nchunks * kTileElems;
     uint16_t* vblock = t.vpack + kb * (kBk / 32) * ws.ncol16 * kTileElems;
-    for (int64_t jj = 0; jj < kBk; ++jj) {
-      const int64_t j = kb * kBk + jj;
-      const bool in = j < seqlen_k;
-      const uint16_t* ksrc = in ? reinterpret_cast<const uint16_t*>(krows.row(j)) : nullptr;
-      const uint16_t* vsrc = in ? reinterpret_cast<const uint16_t*>(vrows.row(j)) : nullptr;
-      for (int64_t c = 0; c < ws.dpad; ++c)
-        kblock[vnni_offset(c, jj, ws.nchunks)] = (in && c < d) ? ksrc[c] : uint16_t(0);
-      for (int64_t c = 0; c < ws.dvpad; ++c)
-        vblock[vnni_offset(jj, c, kBk / 32)] = (in && c < dv) ? vsrc[c] : uint16_t(0);
-    }
+    const auto key_row = [&](const RowPtr& rows) {
+      return [&, rows](int64_t jj) {
+        const int64_t j = kb * kBk + jj;
+        return j < seqlen_k ? reinterpret_cast<const uint16_t*>(rows.row(j)) : nullptr;
+      };
+    };
+    pack_b_k_along_rows(kblock, ws.nchunks, 0, kBk, d, key_row(krows));
+    pack_b_n_along_rows(vblock, kBk / 32, 0, kBk, dv, ws.dvpad, key_row(vrows));
   }
 
   static void tile(const Problem& p, const Sequence& seq, int64_t h, int64_t i0, const Scratch& ws, int tid) {
