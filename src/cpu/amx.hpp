@@ -57,11 +57,6 @@ inline void amx_configure() {
 
 constexpr int64_t kTileElems = 16 * 32;  // bf16 elements in one 16 x 64-byte tile
 
-// Element (k, n) of a B operand in the VNNI tile layout above.
-inline int64_t vnni_offset(int64_t k, int64_t n, int64_t b_chunks) {
-  return ((n / 16) * b_chunks + k / 32) * kTileElems + ((k % 32) / 2 * 16 + n % 16) * 2 + k % 2;
-}
-
 // Packs rows as a B operand whose k runs along each row (K for S = Q Kᵀ: row n is key n, k the head
 // dimension): row(n) gives row n's first k_len bf16 elements (nullptr: a zero row), for n in
 // [n0, n0 + n_count); k is zero-padded to b_chunks * 32. Each pair (k, k + 1) is one 32-bit word.

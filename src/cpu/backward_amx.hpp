@@ -98,23 +98,23 @@ struct AmxBackward {
     const RowPtr qrows = query_rows(p, p.q, seq, h), dorows = query_rows(p, p.dout, seq, h),
                  orows = query_rows(p, p.out, seq, h);
     const float* lse = lse_row(p, seq, h);
-    const int64_t q_chunks_d = ws.dpad / 32, q_chunks_dv = ws.dvpad / 32, i_chunks = ws.nq / 32;
-    for (int64_t i = qt * kBq; i < (qt + 1) * kBq; ++i) {
+    const auto rows_of = [&](const RowPtr& rows) {
+      return [&, rows](int64_t i) {
+        return i < seq.seqlen_q ? reinterpret_cast<const uint16_t*>(rows.row(i)) : nullptr;
+      };
+    };
+    const int64_t i0 = qt * kBq;
+    pack_b_k_along_rows(pk.q_by_d, ws.dpad / 32, i0, kBq, p.headdim, rows_of(qrows));
+    pack_b_k_along_rows(pk.do_by_dv, ws.dvpad / 32, i0, kBq, p.headdim_v, rows_of(dorows));
+    pack_b_n_along_rows(pk.q_by_i, ws.nq / 32, i0, kBq, p.headdim, ws.dpad, rows_of(qrows));
+    pack_b_n_along_rows(pk.do_by_i, ws.nq / 32, i0, kBq, p.headdim_v, ws.dvpad, rows_of(dorows));
+    for (int64_t i = i0; i < i0 + kBq; ++i) {
       const bool in = i < seq.seqlen_q;
-      const uint16_t* q = in ? reinterpret_cast<const uint16_t*>(qrows.row(i)) : nullptr;
-      const uint16_t* dout = in ? reinterpret_cast<const uint16_t*>(dorows.row(i)) : nullptr;
-      const uint16_t* out = in ? reinterpret_cast<const uint16_t*>(orows.row(i)) : nullptr;
-      for (int64_t c = 0; c < ws.dpad; ++c) {
-        const uint16_t x = (in && c < p.headdim) ? q[c] : uint16_t(0);
-        pk.q_by_d[vnni_offset(c, i, q_chunks_d)] = x;
-        pk.q_by_i[vnni_offset(i, c, i_chunks)] = x;
-      }
       float delta = 0.0f;
-      for (int64_t c = 0; c < ws.dvpad; ++c) {
-        const uint16_t x = (in && c < p.headdim_v) ? dout[c] : uint16_t(0);
-        pk.do_by_dv[vnni_offset(c, i, q_chunks_dv)] = x;
-        pk.do_by_i[vnni_offset(i, c, i_chunks)] = x;
-        if (in && c < p.headdim_v) delta += bf16_to_float(x) * bf16_to_float(out[c]);
+      if (in) {
+        const uint16_t* dout = reinterpret_cast<const uint16_t*>(dorows.row(i));
+        const uint16_t* out = reinterpret_cast<const uint16_t*>(orows.row(i));
+        for (int64_t c = 0; c < p.headdim_v; ++c) delta += bf16_to_float(dout[c]) * bf16_to_float(out[c]);
       }
       pk.delta[i] = delta;
       pk.lse[i] = (in && lse[i] != kNegInf) ? lse[i] : __builtin_inff();
@@ -173,11 +173,7 @@ struct AmxBackward {
       round_to_bf16(dsrow, t.ds + r * kBq, kBq);
     }
     // dSᵀ as VNNI pairs along keys (the B operand of dQᵀ): interleave rows 2r and 2r + 1.
-    for (int64_t r = 0; r < kBk; r += 2)
-      for (int64_t c = 0; c < kBq; ++c) {
-        t.ds_vnni[vnni_offset(r, c, kBk / 32)] = t.ds[r * kBq + c];
-        t.ds_vnni[vnni_offset(r + 1, c, kBk / 32)] = t.ds[(r + 1) * kBq + c];
-      }
+    pack_b_n_along_rows(t.ds_vnni, kBk / 32, 0, kBk, kBq, kBq, [&](int64_t r) { return t.ds + r * kBq; });
 
     amx_gemm<true>(kBk, ws.dvpad, kBq, t.p, kBq, pk.do_by_i, ws.nq / 32, 0, i0 / 32, pk.dv + j0 * ws.dvpad,
                    ws.dvpad);
