@@ -38,7 +38,7 @@ struct ForwardScratch {
   struct PerThread {
     T* kt;  // the key pack in use (shared or private): per block a (headdim x kBk) K^T panel
     T* v;   // and (kBk x dvp) V rows
-    T *q, *s, *o, *m, *l;
+    T *q, *s, *p, *o, *m, *l;  // Q tile, scores, probabilities, output accumulator, running max and sum
   };
   PerThread* threads = nullptr;
 
@@ -53,8 +53,14 @@ struct ForwardScratch {
     for (int t = 0; t < nt; ++t) {
       T* kt = t < packs ? a.take<T>(keys * p.headdim) : threads ? threads[0].kt : nullptr;
       T* v = t < packs ? a.take<T>(keys * dvp) : threads ? threads[0].v : nullptr;
-      PerThread pt{kt, v, a.take<T>(Tiles::kBq * dp), a.take<T>(Tiles::kBq * Tiles::kBk),
-                   a.take<T>(Tiles::kBq * dvp), a.take<T>(Tiles::kBq), a.take<T>(Tiles::kBq)};
+      PerThread pt{kt,
+                   v,
+                   a.take<T>(Tiles::kBq * dp),
+                   a.take<T>(Tiles::kBq * Tiles::kBk),
+                   a.take<T>(Tiles::kBq * Tiles::kBk),
+                   a.take<T>(Tiles::kBq * dvp),
+                   a.take<T>(Tiles::kBq),
+                   a.take<T>(Tiles::kBq)};
       if (threads) threads[t] = pt;
     }
   }
@@ -88,18 +94,39 @@ inline void pack_key_block(const Problem& p, const RowPtr& krows, const RowPtr& 
 // taken before scaling); emit(c, p) receives p = exp(scale * s - m') for each vector at column c, the
 // running max m and sum l are updated, and the factor the row's accumulator must be multiplied by is
 // returned: exp(m - m'), or 1 while the row has seen no visible key (its p are then all 0).
+//
+// Once a row has a max, a block is first tried in one pass against that max (m' = m): the exponentials
+// may then exceed 1, which is harmless while the block's max stays within kRescaleMargin of m (e^8 ≈ 3000
+// cannot overflow any sum). Only a block that rises further is redone with its own max. Random or trained
+// scores rarely rise by that much after the first blocks, so most blocks need one pass and no rescaling.
 template <class T, class Emit>
 inline T online_softmax_row(const T* s, int64_t n, T scale, T& m, T& l, Emit emit) {
   using V = vec_t<T>;
   constexpr int W = Simd<T>::W;
+  constexpr T kRescaleMargin = 8;
+  const T neg_inf = static_cast<T>(kNegInf);
+  if (m != neg_inf) {
+    V mx = vset<T>(neg_inf), sum{};
+    for (int64_t c = 0; c < n; c += W) {
+      const V x = vload(s + c);
+      mx = vmax(mx, x);
+      const V e = vexp(x * scale - m);
+      sum += e;
+      emit(c, e);
+    }
+    if (hmax(mx) * scale <= m + kRescaleMargin) {
+      l += hsum(sum);
+      return T(1);
+    }
+  }
   V mx = vload(s);
   for (int64_t c = W; c < n; c += W) mx = vmax(mx, vload(s + c));
   const T m_new = smax(m, hmax(mx) * scale);
-  if (m_new == static_cast<T>(kNegInf)) {
+  if (m_new == neg_inf) {
     for (int64_t c = 0; c < n; c += W) emit(c, V{});
     return T(1);
   }
-  const T alpha = m == static_cast<T>(kNegInf) ? T(0) : static_cast<T>(std::exp(m - m_new));
+  const T alpha = m == neg_inf ? T(0) : static_cast<T>(std::exp(m - m_new));
   V sum{};
   for (int64_t c = 0; c < n; c += W) {
     const V e = vexp(vload(s + c) * scale - m_new);
@@ -174,14 +201,14 @@ inline void forward_tile(const Problem& p, const Sequence& seq, int64_t h, int64
     if (!plain || !block_fully_visible(mask, i0, rows, j0, cols))
       shape_scores<T>(t.s, Bk, rows, cols, i0, j0, mask, shape, nullptr);
     for (int64_t r = 0; r < rows; ++r) {
-      T* srow = t.s + r * Bk;
-      const T alpha = online_softmax_row<T>(srow, cols, T(1), t.m[r], t.l[r],
-                                            [srow](int64_t c, vec_t<T> e) { vstore(srow + c, e); });
+      T* prow = t.p + r * Bk;
+      const T alpha = online_softmax_row<T>(t.s + r * Bk, cols, T(1), t.m[r], t.l[r],
+                                            [prow](int64_t c, vec_t<T> e) { vstore(prow + c, e); });
       if (alpha != T(1)) scale_row<T>(t.o + r * dvp, dvp, alpha);
     }
     for (int64_t r = rows; r < Bq; ++r)
-      for (int64_t c = 0; c < cols; c += W) vstore(t.s + r * Bk + c, V{});
-    gemm_tile<T, true>(Bq, dvp, cols, t.s, Bk, t.v + kb * Bk * dvp, dvp, t.o, dvp);
+      for (int64_t c = 0; c < cols; c += W) vstore(t.p + r * Bk + c, V{});
+    gemm_tile<T, true>(Bq, dvp, cols, t.p, Bk, t.v + kb * Bk * dvp, dvp, t.o, dvp);
   }
 
   finish_rows<T>(p, t.o, dvp, t.m, t.l, rows, orows, lse, i0);
