@@ -5,7 +5,9 @@
 
 Prints: a line on where the figures come from (date, commit, device, ceilings), the timing table
 (one line per pass, dtype, headdim, causal, seqlen; flare, torch-cpu and naive ms; torch/flare > 1 means
-flare is faster) and the memory table (rows that carry peak_mib).
+flare is faster; flare's and torch's share of the dtype's arithmetic ceiling, and ceiling/torch: the
+ratio a kernel running at the ceiling would reach), a count of rows under 1.2x and 1.5x, and the memory
+table (rows that carry peak_mib).
 """
 
 import argparse
@@ -34,27 +36,48 @@ def shape_key(row):
             row["seqlen_q"], row["seqlen_k"], row["batch"], row["nheads"])
 
 
-def timing_table(rows):
+def ceiling_gflops(ceilings, dtype):
+    """The arithmetic ceiling a dtype's products run against: fp32 FMA, or AMX (else vdpbf16ps) for bf16."""
+    if dtype == "fp32":
+        return ceilings.get("fma_fp32_gflops")
+    return ceilings.get("amx_bf16_gflops") or ceilings.get("dpbf16_gflops")
+
+
+def timing_table(rows, ceilings):
     groups = defaultdict(dict)
     for row in rows:
         if not is_memory_row(row):
             groups[shape_key(row)][row["impl"]] = row
     lines = ["| pass | dtype | hd | causal | seqlen | batch x heads | flare ms | torch ms | torch/flare "
-             "| naive ms | flare GFLOP/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| naive ms | flare GFLOP/s | flare % ceiling | torch % ceiling | ceiling/torch |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    under = {1.2: 0, 1.5: 0}
+    compared = 0
     for key in sorted(groups):
         _, pass_, dtype, hd, causal, sq, sk, batch, nheads = key
         impls = groups[key]
         flare, torch_, naive = impls.get("flare"), impls.get("torch-cpu"), impls.get("naive")
-        ratio = gflops = "-"
+        ratio = gflops = flare_pct = torch_pct = headroom = "-"
         if flare and flare.get("ms") and torch_ and torch_.get("ms"):
-            ratio = f"{torch_['ms'] / flare['ms']:.2f}"
+            r = torch_["ms"] / flare["ms"]
+            ratio = f"{r:.2f}"
+            compared += 1
+            for limit in under:
+                under[limit] += r < limit
         if flare and flare.get("tflops") is not None:
             gflops = f"{flare['tflops'] * 1e3:.1f}"
+        ceiling = ceiling_gflops(ceilings, dtype)
+        if ceiling:
+            if flare and flare.get("tflops") is not None:
+                flare_pct = f"{100 * flare['tflops'] * 1e3 / ceiling:.0f}%"
+            if torch_ and torch_.get("tflops"):
+                torch_pct = f"{100 * torch_['tflops'] * 1e3 / ceiling:.0f}%"
+                headroom = f"{ceiling / (torch_['tflops'] * 1e3):.2f}"
         seqlen = str(sq) if sq == sk else f"{sq}/{sk}"
         lines.append(f"| {pass_} | {dtype} | {hd} | {'yes' if causal else 'no'} | {seqlen} "
                      f"| {batch} x {nheads} | {fmt_ms(flare)} | {fmt_ms(torch_)} | {ratio} | {fmt_ms(naive)} "
-                     f"| {gflops} |")
+                     f"| {gflops} | {flare_pct} | {torch_pct} | {headroom} |")
+    lines += ["", f"{compared} rows compared with torch: {under[1.2]} under 1.2x, {under[1.5]} under 1.5x."]
     return lines
 
 
@@ -96,7 +119,8 @@ def main():
     args = p.parse_args()
     with open(args.result) as f:
         data = json.load(f)
-    out = [source_line(data["meta"]), "", *timing_table(data["rows"])]
+    ceilings = data["meta"].get("ceilings") or {}
+    out = [source_line(data["meta"]), "", *timing_table(data["rows"], ceilings)]
     mem = memory_table(data["rows"])
     if mem:
         out += ["", *mem]
