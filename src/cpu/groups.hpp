@@ -13,8 +13,13 @@
 
 namespace flare::cpu::FLARE_ISA {
 
-// Whether each thread takes whole groups: when there are enough of them to keep every thread busy.
-inline bool use_private_groups(const Problem& p, int nt) { return nt == 1 || p.batch * p.nheads_k >= 4 * nt; }
+// Whether each thread takes whole groups: when there are enough of them to keep every thread busy — many
+// groups, or, where every sequence has the same lengths (dense batches), a multiple of the team.
+inline bool use_private_groups(const Problem& p, int nt) {
+  const int64_t groups = p.batch * p.nheads_k;
+  const bool equal_groups = !p.varlen && p.pass != Pass::kKvCache;
+  return nt == 1 || groups >= 4 * nt || (equal_groups && groups % nt == 0);
+}
 
 // Bytes of scratch an engine lays out for this problem (measured by laying it out on a null base).
 template <class Engine>
