@@ -1,10 +1,8 @@
 // forward.hpp — the CPU forward pass: tiles of queries against blocks of keys with online softmax.
 //
 // For each (sequence, kv head) group the keys are packed once (K transposed into per-block panels, V padded)
-// in the compute type; then the group's query heads x query tiles run over it. With many groups each thread
-// takes whole groups (private packs, no barriers); with few, all threads share one group's pack and split its
-// query heads x query tiles (see use_private_groups). A tile keeps
-// its output accumulator, running max m and running sum l; per key block:
+// in the compute type; then the group's query heads x query tiles run over it, spread over the threads as
+// groups.hpp decides. A tile keeps its output accumulator, running max m and running sum l; per key block:
 //   S = Q K^T (scaled Q)  ->  softcap / ALiBi / mask  ->  m' = max(m, rowmax S), P = exp(S - m'),
 //   l = l * exp(m - m') + rowsum P,  O = O * exp(m - m') + P V.
 // At the end O / l is written and lse = m + log l. Scratch is O(seqlen_k * headdim) per group plus O(tile)
@@ -23,14 +21,13 @@ namespace flare::cpu::FLARE_ISA {
 
 template <class T>
 struct ForwardTiles {
-  static constexpr int64_t kBq = 64;  // query rows per tile (multiple of GemmShape::kRows)
-  static constexpr int64_t kBk = 128;  // keys per block (multiple of every W)
+  static constexpr int64_t kBq = 64;   // query rows per tile
+  static constexpr int64_t kBk = 128;  // keys per block (a multiple of every vector width)
 };
 
 inline int64_t max_keys(const Problem& p) {
   return p.pass == Pass::kKvCache ? p.seqlen_cache : p.seqlen_k;
 }
-
 
 template <class T>
 struct ForwardScratch {
