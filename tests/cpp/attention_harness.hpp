@@ -94,6 +94,31 @@ inline AttnCase varlen_case(flare_dtype dtype, std::vector<int64_t> seqlens_q, s
   return c;
 }
 
+// A varlen case with every feature drawn at random: up to max_batch sequences of 0..max_len queries and keys
+// (a quarter of them empty), seqused_k, GQA/MQA, causal, windows, softcap, ALiBi and scattered layouts.
+inline AttnCase random_varlen_case(Rng& rng, int64_t max_batch, int64_t max_len) {
+  const flare_dtype dtypes[] = {FLARE_DTYPE_F32, FLARE_DTYPE_BF16, FLARE_DTYPE_F16, FLARE_DTYPE_F64};
+  const int64_t headdims[] = {8, 32, 40, 64, 96, 128};
+  const int64_t batch = rng.integer(1, max_batch);
+  std::vector<int64_t> sq, sk, used;
+  for (int64_t b = 0; b < batch; ++b) {
+    sq.push_back(rng.integer(0, 4) == 0 ? 0 : rng.integer(1, max_len));
+    sk.push_back(rng.integer(0, 4) == 0 ? 0 : rng.integer(1, max_len));
+    used.push_back(rng.integer(0, sk.back()));
+  }
+  const int64_t hk = rng.integer(1, 2);
+  AttnCase c = varlen_case(dtypes[rng.integer(0, 3)], sq, sk, hk * rng.integer(1, 3), hk,
+                           headdims[rng.integer(0, 5)], headdims[rng.integer(0, 5)]);
+  if (rng.coin()) c.seqused_k = used;
+  c.causal = rng.coin();
+  if (rng.coin()) c.window_left = static_cast<int32_t>(rng.integer(0, 30));
+  if (!c.causal && rng.coin()) c.window_right = static_cast<int32_t>(rng.integer(0, 30));
+  if (rng.coin()) c.softcap = static_cast<float>(rng.uniform(1.0, 20.0));
+  c.alibi = static_cast<AlibiMode>(rng.integer(0, 2));
+  c.layout = rng.coin() ? Layout::kScattered : Layout::kContiguous;
+  return c;
+}
+
 // The inputs of one case: flare views plus, per sequence, the stored values in the reference's layout.
 struct AttnProblem {
   AttnCase c;

@@ -89,25 +89,8 @@ TEST(ForwardVarlen, LongSequenceAmongShortOnes) {
 
 TEST(ForwardVarlen, RandomCombinations) {
   Rng rng;
-  const int64_t headdims[] = {8, 32, 40, 64, 96, 128};
   for (int n = 0; n < 16; ++n) {
-    const int64_t batch = rng.integer(1, 5);
-    std::vector<int64_t> sq, sk, used;
-    for (int64_t b = 0; b < batch; ++b) {
-      sq.push_back(rng.integer(0, 4) == 0 ? 0 : rng.integer(1, 90));
-      sk.push_back(rng.integer(0, 4) == 0 ? 0 : rng.integer(1, 90));
-      used.push_back(rng.integer(0, sk.back()));
-    }
-    const int64_t hk = rng.integer(1, 2);
-    AttnCase c = varlen_case(kAllDtypes[rng.integer(0, 3)], sq, sk, hk * rng.integer(1, 3), hk,
-                             headdims[rng.integer(0, 5)], headdims[rng.integer(0, 5)]);
-    if (rng.coin()) c.seqused_k = used;
-    c.causal = rng.coin();
-    if (rng.coin()) c.window_left = static_cast<int32_t>(rng.integer(0, 30));
-    if (!c.causal && rng.coin()) c.window_right = static_cast<int32_t>(rng.integer(0, 30));
-    if (rng.coin()) c.softcap = static_cast<float>(rng.uniform(1.0, 20.0));
-    c.alibi = static_cast<AlibiMode>(rng.integer(0, 2));
-    c.layout = rng.coin() ? Layout::kScattered : Layout::kContiguous;
+    AttnCase c = random_varlen_case(rng, 5, 90);
     c.give_max_seqlen = rng.coin();
     check_forward(c, rng);
   }
