@@ -115,7 +115,7 @@ FLARE_API flare_tensor flare_tensor_contiguous(void* data, flare_dtype dtype, fl
  * score = softmax_scale * q·k; if softcap > 0: score = softcap * tanh(score / softcap);
  * with ALiBi: score += -slope[h] * |i + seqlen_k - seqlen_q - j|. */
 typedef struct flare_attn_options {
-  float softmax_scale;  /* 0 means 1/sqrt(headdim); otherwise finite and > 0 */
+  float softmax_scale;  /* 0 means 1/sqrt(headdim), resolved in fp64; otherwise finite and > 0 */
   float softcap;        /* 0 means off; otherwise finite and > 0 */
   int32_t causal;       /* 0 or 1 */
   int32_t window_left;  /* -1 or >= 0 */

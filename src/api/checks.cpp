@@ -259,8 +259,8 @@ ScoreParams check_attn_options(const flare_attn_options& attn, const flare_tenso
     reject(cat("attn.softmax_scale is ", attn.softmax_scale,
                ": it must be 0 (meaning 1/sqrt(headdim)) or finite and > 0"));
   }
-  score.scale = attn.softmax_scale == 0.0f ? static_cast<float>(1.0 / std::sqrt(double(headdim)))
-                                           : attn.softmax_scale;
+  // The default is resolved in double: fp64 inputs use it at full precision, lower dtypes round it.
+  score.scale = attn.softmax_scale == 0.0f ? 1.0 / std::sqrt(double(headdim)) : double(attn.softmax_scale);
   if (!std::isfinite(attn.softcap) || attn.softcap < 0.0f) {
     reject(cat("attn.softcap is ", attn.softcap, ": it must be 0 (off) or finite and > 0"));
   }

@@ -25,7 +25,7 @@ struct Operand {
 // Scores, masks and biases (FlashAttention semantics, see flare.h). Windows are normalised: causal is
 // folded into window_right = 0; -1 means unbounded.
 struct ScoreParams {
-  float scale = 1.0f;       // resolved softmax scale (never 0)
+  double scale = 1.0;       // resolved softmax scale (never 0); the default 1/sqrt(headdim) is exact in fp64
   float softcap = 0.0f;     // 0 = off
   int64_t window_left = -1;
   int64_t window_right = -1;

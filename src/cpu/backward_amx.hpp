@@ -134,7 +134,7 @@ struct AmxBackward {
     const int64_t i0 = qt * kBq, j0 = kb * kBk;
     const int64_t keys = smin(kBk, seq.seqlen_k - j0);
     const policy::WindowMask mask = seq.mask(p);
-    const float scale = p.score.scale;
+    const float scale = static_cast<float>(p.score.scale);
 
     // Sᵀ (keys x queries) and dPᵀ.
     amx_gemm<false>(kBk, kBq, ws.dpad, pk.k + j0 * ws.dpad, ws.dpad, pk.q_by_d, ws.dpad / 32, i0 / 16, 0, t.s, kBq);
@@ -189,7 +189,7 @@ struct AmxBackward {
     if constexpr (Shared)
       for (int other = 1; other < nt; ++other)
         for (int64_t c = 0; c < p.headdim; ++c) row[c] += ws.threads[other].dqt[c * ws.nq + i];
-    store_row<float>(row, p.score.scale, dqrows.row(i), p.dtype, p.headdim);
+    store_row<float>(row, static_cast<float>(p.score.scale), dqrows.row(i), p.dtype, p.headdim);
   }
 
   static void write_dkdv(const Problem& p, const Sequence& seq, const RowPtr& dkrows, const RowPtr& dvrows,
@@ -197,7 +197,7 @@ struct AmxBackward {
     static constexpr float kZeros[kMaxHeaddimAmx] = {};
     const auto& pk = *ws.threads[tid].pack;
     const bool used = j < seq.seqlen_k;
-    store_row<float>(used ? pk.dk + j * ws.dpad : kZeros, p.score.scale, dkrows.row(j), p.dtype, p.headdim);
+    store_row<float>(used ? pk.dk + j * ws.dpad : kZeros, static_cast<float>(p.score.scale), dkrows.row(j), p.dtype, p.headdim);
     store_row<float>(used ? pk.dv + j * ws.dvpad : kZeros, 1.0f, dvrows.row(j), p.dtype, p.headdim_v);
   }
 

@@ -78,7 +78,7 @@ struct AmxForward {
     const int64_t row_blocks = (rows + 31) / 32;  // 32-row halves of the tile that hold queries
     const policy::WindowMask mask = seq.mask(p);
     const RowPtr qrows = query_rows(p, p.q, seq, h);
-    const float scale = p.score.scale;
+    const float scale = static_cast<float>(p.score.scale);
 
     for (int64_t r = 0; r < row_blocks * 32; ++r) {
       uint16_t* qr = t.q + r * dpad;
