@@ -17,9 +17,9 @@ flare_status kvcache(const detail::Problem& p);
 
 // KV cache helpers (kvcache.cpp): scratch beyond the forward pass's, and the step before attending —
 // appends k_new/v_new into the cache (rotated if asked) and returns the problem to attend with (q replaced by
-// its rotated copy in scratch when rotary is asked).
+// its rotated copy in scratch when rotary is asked), on nt threads.
 size_t kvcache_extra_scratch(const detail::Problem& p);
-detail::Problem kvcache_prepare(const detail::Problem& p, char* scratch);
+detail::Problem kvcache_prepare(const detail::Problem& p, char* scratch, int nt);
 
 // Scratch bytes the pass allocates for this problem (what *_workspace_size reports).
 size_t workspace_size(const detail::Problem& p);

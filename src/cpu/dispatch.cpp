@@ -138,7 +138,7 @@ flare_status kvcache(const Problem& p) {
   const int nt = thread_count(p);
   return with_scratch(p, workspace_size(p), [&](void* s) {
     char* base = static_cast<char*>(s);
-    const Problem attend = kvcache_prepare(p, base + kernels().forward_scratch(p, nt));
+    const Problem attend = kvcache_prepare(p, base + kernels().forward_scratch(p, nt), nt);
     kernels().forward(attend, base, nt);
   });
 }

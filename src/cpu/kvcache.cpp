@@ -1,6 +1,5 @@
 // kvcache.cpp — the KV-cache step before attention: append k_new/v_new into the cache in place (applying
 // rotary to k_new) and rotate q into scratch. Runs after validation, so every index is in range.
-#include <omp.h>
 
 #include <cstring>
 
@@ -45,9 +44,8 @@ size_t kvcache_extra_scratch(const Problem& p) {
   return static_cast<size_t>(p.batch * p.seqlen_q * p.nheads * p.headdim * dtype_size(p.dtype)) + 64;
 }
 
-Problem kvcache_prepare(const Problem& p, char* scratch) {
+Problem kvcache_prepare(const Problem& p, char* scratch, int nt) {
   const int64_t es = dtype_size(p.dtype);
-  const int nt = p.num_threads > 0 ? p.num_threads : omp_get_max_threads();
   // Append: new key i of sequence b goes to cache slot cache_len + i (logical row cache_len - leftpad + i).
   if (p.seqlen_new > 0) {
 #pragma omp parallel for collapse(2) schedule(static) num_threads(nt)
