@@ -316,6 +316,40 @@ inline double lse_tolerance(flare_dtype dtype, double fp32_tol) {
   return dtype == FLARE_DTYPE_F64 ? 2.0 * unit_roundoff(FLARE_DTYPE_F32) : fp32_tol;
 }
 
+// The varlen arguments of a forward or backward call: cu_seqlens, seqused_k and, when the case asks,
+// the true maximum lengths.
+template <class Params>
+void set_varlen_fields(const AttnProblem& pb, Params& p) {
+  p.cu_seqlens_q = pb.cu_seqlens_q.view();
+  p.cu_seqlens_k = pb.cu_seqlens_k.view();
+  p.seqused_k = pb.seqused_k.view();
+  if (pb.c.give_max_seqlen) {
+    p.max_seqlen_q = max_of(pb.c.seqlens_q);
+    p.max_seqlen_k = max_of(pb.c.seqlens_k);
+  }
+}
+
+// Backward params over a problem's inputs and the given forward results and gradient buffers.
+inline flare_bwd_params bwd_params(const AttnProblem& pb, const HostTensor& out, const HostTensor& dout,
+                                   const HostTensor& lse, HostTensor& dq, HostTensor& dk, HostTensor& dv,
+                                   bool deterministic, int32_t num_threads) {
+  flare_bwd_params p;
+  flare_bwd_params_init(&p);
+  p.q = pb.q.view();
+  p.k = pb.k.view();
+  p.v = pb.v.view();
+  p.out = out.view();
+  p.dout = dout.view();
+  p.softmax_lse = lse.view();
+  p.dq = dq.view();
+  p.dk = dk.view();
+  p.dv = dv.view();
+  p.deterministic = deterministic ? 1 : 0;
+  p.attn = attn_options(pb, p.attn);
+  p.exec.num_threads = num_threads;
+  return p;
+}
+
 // Runs the forward of a case through the C ABI and checks out and lse. Returns the flare outputs
 // (row-major values) for callers that check more.
 struct ForwardOutputs {
@@ -343,13 +377,7 @@ inline ForwardOutputs check_forward(const AttnCase& c_in, Rng& rng, double fp32_
   p.exec.num_threads = c.num_threads;
   ForwardOutputs result;
   if (c.varlen) {
-    p.cu_seqlens_q = pb.cu_seqlens_q.view();
-    p.cu_seqlens_k = pb.cu_seqlens_k.view();
-    p.seqused_k = pb.seqused_k.view();
-    if (c.give_max_seqlen) {
-      p.max_seqlen_q = max_of(c.seqlens_q);
-      p.max_seqlen_k = max_of(c.seqlens_k);
-    }
+    set_varlen_fields(pb, p);
     [&] { FLARE_ASSERT_OK(flare_fwd_varlen(&p)); }();
   } else {
     [&] { FLARE_ASSERT_OK(flare_fwd(&p)); }();
@@ -397,28 +425,9 @@ inline void check_backward(const AttnCase& c_in, Rng& rng, double fp32_tol, doub
   HostTensor dv = make_like(c, c.dtype, pb.k_shape(c.nheads_k, c.headdim_v), rng);
   for (HostTensor* t : {&dq, &dk, &dv}) t->poison_buffer();
 
-  flare_bwd_params p;
-  flare_bwd_params_init(&p);
-  p.q = pb.q.view();
-  p.k = pb.k.view();
-  p.v = pb.v.view();
-  p.out = out.view();
-  p.dout = dout.view();
-  p.softmax_lse = lse.view();
-  p.dq = dq.view();
-  p.dk = dk.view();
-  p.dv = dv.view();
-  p.deterministic = c.deterministic ? 1 : 0;
-  p.attn = attn_options(pb, p.attn);
-  p.exec.num_threads = c.num_threads;
+  flare_bwd_params p = bwd_params(pb, out, dout, lse, dq, dk, dv, c.deterministic, c.num_threads);
   if (c.varlen) {
-    p.cu_seqlens_q = pb.cu_seqlens_q.view();
-    p.cu_seqlens_k = pb.cu_seqlens_k.view();
-    p.seqused_k = pb.seqused_k.view();
-    if (c.give_max_seqlen) {
-      p.max_seqlen_q = max_of(c.seqlens_q);
-      p.max_seqlen_k = max_of(c.seqlens_k);
-    }
+    set_varlen_fields(pb, p);
     [&] { FLARE_ASSERT_OK(flare_bwd_varlen(&p)); }();
   } else {
     [&] { FLARE_ASSERT_OK(flare_bwd(&p)); }();

@@ -206,20 +206,7 @@ TEST(BackwardProperties, DeterministicIsBitwiseRepeatable) {
         HostTensor dq = HostTensor::contiguous(dtype, pb.q_shape(c.nheads, c.headdim));
         HostTensor dk = HostTensor::contiguous(dtype, pb.k_shape(c.nheads_k, c.headdim));
         HostTensor dv = HostTensor::contiguous(dtype, pb.k_shape(c.nheads_k, c.headdim_v));
-        flare_bwd_params p;
-        flare_bwd_params_init(&p);
-        p.q = pb.q.view();
-        p.k = pb.k.view();
-        p.v = pb.v.view();
-        p.out = out.view();
-        p.dout = dout.view();
-        p.softmax_lse = lse.view();
-        p.dq = dq.view();
-        p.dk = dk.view();
-        p.dv = dv.view();
-        p.deterministic = 1;
-        p.attn = attn_options(pb, p.attn);
-        p.exec.num_threads = threads;
+        flare_bwd_params p = bwd_params(pb, out, dout, lse, dq, dk, dv, true, threads);
         FLARE_ASSERT_OK(flare_bwd(&p));
         std::vector<double> all = dq.values();
         for (const HostTensor* t : {&dk, &dv}) {
