@@ -226,6 +226,15 @@ class Flare:
             flare_bwd_params: ("flare_bwd", "flare_bwd_varlen"),
             flare_kvcache_params: ("flare_fwd_kvcache",),
         }
+        sizes = {
+            flare_fwd_params: ("flare_fwd_workspace_size", True),
+            flare_bwd_params: ("flare_bwd_workspace_size", True),
+            flare_kvcache_params: ("flare_kvcache_workspace_size", False),
+        }
+        for struct, (entry, has_varlen) in sizes.items():
+            fn = getattr(lib, entry)
+            fn.restype = c_int32
+            fn.argtypes = [ctypes.POINTER(struct)] + ([c_int32] if has_varlen else []) + [ctypes.POINTER(c_size_t)]
         for kind, struct in self._PARAMS:
             init = getattr(lib, f"flare_{kind}_params_init")
             init.restype = None
@@ -288,6 +297,25 @@ class Flare:
 
     def fwd_kvcache(self, params):
         self._check("flare_fwd_kvcache", self._lib.flare_fwd_kvcache(ctypes.byref(params)))
+
+    # ---- scratch size queries (validate like the call; bytes the call would otherwise allocate itself)
+    def fwd_workspace_size(self, params, varlen):
+        n = c_size_t(0)
+        self._check("flare_fwd_workspace_size",
+                    self._lib.flare_fwd_workspace_size(ctypes.byref(params), int(varlen), ctypes.byref(n)))
+        return n.value
+
+    def bwd_workspace_size(self, params, varlen):
+        n = c_size_t(0)
+        self._check("flare_bwd_workspace_size",
+                    self._lib.flare_bwd_workspace_size(ctypes.byref(params), int(varlen), ctypes.byref(n)))
+        return n.value
+
+    def kvcache_workspace_size(self, params):
+        n = c_size_t(0)
+        self._check("flare_kvcache_workspace_size",
+                    self._lib.flare_kvcache_workspace_size(ctypes.byref(params), ctypes.byref(n)))
+        return n.value
 
 
 _library = None

@@ -3,7 +3,8 @@
 
 Outputs are allocated by torch (torch.empty) and handed to libflare as views; inputs are passed as views
 too, with only the last dimension made contiguous where it is not. The backend is picked by the device of
-the tensors: a CUDA tensor goes to the same entry points with exec.stream = the current torch stream.
+the tensors: a CUDA tensor goes to the same entry points with exec.stream = the current torch stream, its
+device made current for the call, and scratch from torch's allocator (see _run).
 
 Layouts (FlashAttention's):
   dense   q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim[_v]),
@@ -63,6 +64,26 @@ def _exec_options(ref: Tensor):
     return ex
 
 
+def _run(ref: Tensor, entry, workspace_size, p):
+    """Calls entry(p) for tensors on ref's device. On CUDA the call runs with ref's device current (so a
+    tensor on cuda:1 works whatever the current device is) and its scratch is a workspace from torch's
+    caching allocator, sized by flare's query: flare then allocates nothing itself, which keeps the call
+    capturable in a CUDA graph and its memory visible to torch. The workspace is released when this returns;
+    the allocator hands it out again only to later work on the same stream, so the kernel keeps it."""
+    if ref.device.type != "cuda":
+        entry(p)
+        return
+    with torch.cuda.device(ref.device):
+        p.exec = _exec_options(ref)
+        nbytes = workspace_size(p)
+        workspace = None
+        if nbytes:
+            workspace = torch.empty(nbytes, dtype=torch.uint8, device=ref.device)
+            p.exec.workspace, p.exec.workspace_size = workspace.data_ptr(), nbytes
+        entry(p)
+        del workspace
+
+
 def _lse_shape(q: Tensor, varlen: bool):
     if varlen:
         return (q.shape[1], q.shape[0])               # (nheads, total_q)
@@ -98,7 +119,7 @@ def fwd(q: Tensor, k: Tensor, v: Tensor,
     p.max_seqlen_q, p.max_seqlen_k = max_seqlen_q, max_seqlen_k
     p.attn, keep = _attn_options(q, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
     p.exec = _exec_options(q)
-    (lib.fwd_varlen if varlen else lib.fwd)(p)
+    _run(q, lib.fwd_varlen if varlen else lib.fwd, lambda p: lib.fwd_workspace_size(p, varlen), p)
     del keep
     return out, lse
 
@@ -141,7 +162,7 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse:
     p.deterministic = int(deterministic)
     p.attn, keep = _attn_options(q, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
     p.exec = _exec_options(q)
-    (lib.bwd_varlen if varlen else lib.bwd)(p)
+    _run(q, lib.bwd_varlen if varlen else lib.bwd, lambda p: lib.bwd_workspace_size(p, varlen), p)
     del keep
     return dq, dk, dv
 
@@ -210,7 +231,7 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optional[Ten
     p.out, p.softmax_lse = tv(out), tv(lse)
     p.attn, keep = _attn_options(q, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
     p.exec = _exec_options(q)
-    lib.fwd_kvcache(p)
+    _run(q, lib.fwd_kvcache, lib.kvcache_workspace_size, p)
     del keep, index
     return out, lse
 
