@@ -1,0 +1,222 @@
+"""One attention case of the GPU suite, end to end: fresh random inputs on the test device, flare's forward
+and backward through the flash_attn-compatible functions (python/flare/flash_attn_interface.py), and every
+result (out, softmax_lse, dq, dk, dv) checked against attention_reference.py by its rule.
+
+Shared by the pytest modules and tests/gpu/sanitize.py. The device and the size of the case lists come from
+FLARE_TEST_DEVICE / FLARE_TEST_SIZE (conftest.py sets them from --device / --size).
+"""
+
+import math
+import os
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import torch
+
+from attention_reference import AttnOptions, check_close, check_lse, dense_attention, varlen_attention
+
+DEVICE = os.environ.get("FLARE_TEST_DEVICE", "cuda")
+SMALL = os.environ.get("FLARE_TEST_SIZE", "full" if DEVICE == "cuda" else "small") == "small"
+
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def skip_module_without_device():
+    """Module-level: skip the whole module when it is meant for CUDA and there is no CUDA device."""
+    import pytest
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device (pass --device cpu to run the suite against the CPU backend)",
+                    allow_module_level=True)
+
+
+def require_cuda_backend():
+    """On CUDA, a library without a CUDA backend is a failure of the run, not a reason to skip."""
+    import flare
+    if DEVICE == "cuda" and not flare.has_cuda():
+        raise AssertionError(f"{flare.library().path} has no CUDA backend (flare_has_cuda() == 0): build with "
+                             "-DFLARE_ENABLE_CUDA=ON (the cuda preset) and point FLARE_LIBRARY at it")
+
+
+@dataclass
+class Case:
+    dtype: torch.dtype = torch.bfloat16
+    batch: int = 2
+    seqlen_q: int = 128
+    seqlen_k: int = 128
+    nheads: int = 4
+    nheads_k: int = 4
+    headdim: int = 64
+    headdim_v: Optional[int] = None  # None: headdim
+    causal: bool = False
+    window: tuple = (-1, -1)
+    softcap: float = 0.0
+    alibi: Optional[str] = None  # None, "head" (nheads) or "batch" (batch, nheads)
+    softmax_scale: Optional[float] = None
+    deterministic: bool = False
+    # varlen: per-sequence lengths (then batch/seqlen_q/seqlen_k are ignored) and optional seqused_k
+    seqlens_q: Optional[list] = None
+    seqlens_k: Optional[list] = None
+    seqused_k: Optional[list] = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def dv(self):
+        return self.headdim if self.headdim_v is None else self.headdim_v
+
+    @property
+    def varlen(self):
+        return self.seqlens_q is not None
+
+    def describe(self):
+        parts = [DTYPE_NAMES.get(self.dtype, str(self.dtype))]
+        if self.varlen:
+            parts.append(f"varlen q{self.seqlens_q} k{self.seqlens_k}")
+            if self.seqused_k is not None:
+                parts.append(f"seqused_k{self.seqused_k}")
+        else:
+            parts.append(f"b{self.batch} sq{self.seqlen_q} sk{self.seqlen_k}")
+        parts.append(f"h{self.nheads}/{self.nheads_k} d{self.headdim}" +
+                     (f"/{self.headdim_v}" if self.headdim_v else ""))
+        if self.causal:
+            parts.append("causal")
+        if self.window != (-1, -1):
+            parts.append(f"window{self.window}")
+        if self.softcap:
+            parts.append(f"softcap{self.softcap:g}")
+        if self.alibi:
+            parts.append(f"alibi-{self.alibi}")
+        if self.softmax_scale is not None:
+            parts.append(f"scale{self.softmax_scale:g}")
+        if self.deterministic:
+            parts.append("deterministic")
+        return " ".join(parts)
+
+    def with_(self, **changes):
+        return replace(self, **changes)
+
+
+def alibi_slopes(kind, batch, nheads, device):
+    """ALiBi slopes, fp32: the usual geometric ones 2^(-8 (h + 1) / nheads), per (batch, head) jittered."""
+    base = torch.tensor([2.0 ** (-8.0 * (h + 1) / nheads) for h in range(nheads)], dtype=torch.float32)
+    if kind == "head":
+        return base.to(device)
+    jitter = 0.5 + torch.rand(batch, nheads)
+    return (base.view(1, -1) * jitter).to(device)
+
+
+def randn(*shape, dtype, device, grad=False):
+    return torch.randn(*shape, dtype=torch.float32, device=device).to(dtype).requires_grad_(grad)
+
+
+def cu_seqlens(lengths, device):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+def options_of(case, slopes):
+    return AttnOptions(case.softmax_scale, case.causal, tuple(case.window), case.softcap, slopes)
+
+
+def interface_kwargs(case, slopes):
+    return dict(softmax_scale=case.softmax_scale, causal=case.causal, window_size=tuple(case.window),
+                softcap=case.softcap, alibi_slopes=slopes, deterministic=case.deterministic)
+
+
+def make_inputs(case, device=None):
+    """Fresh N(0, 1) inputs for a case: q, k, v (leaves with grad), dout, slopes, and varlen index tensors."""
+    device = device or DEVICE
+    c = case
+    if c.varlen:
+        total_q, total_k = sum(c.seqlens_q), sum(c.seqlens_k)
+        q_shape, k_shape, v_shape = (total_q, c.nheads, c.headdim), (total_k, c.nheads_k, c.headdim), \
+            (total_k, c.nheads_k, c.dv)
+        out_shape = (total_q, c.nheads, c.dv)
+        batch = len(c.seqlens_q)
+    else:
+        q_shape = (c.batch, c.seqlen_q, c.nheads, c.headdim)
+        k_shape = (c.batch, c.seqlen_k, c.nheads_k, c.headdim)
+        v_shape = (c.batch, c.seqlen_k, c.nheads_k, c.dv)
+        out_shape = (c.batch, c.seqlen_q, c.nheads, c.dv)
+        batch = c.batch
+    inputs = {
+        "q": randn(*q_shape, dtype=c.dtype, device=device, grad=True),
+        "k": randn(*k_shape, dtype=c.dtype, device=device, grad=True),
+        "v": randn(*v_shape, dtype=c.dtype, device=device, grad=True),
+        "dout": randn(*out_shape, dtype=c.dtype, device=device),
+        "slopes": alibi_slopes(c.alibi, batch, c.nheads, device) if c.alibi else None,
+    }
+    if c.varlen:
+        inputs["cu_seqlens_q"] = cu_seqlens(c.seqlens_q, device)
+        inputs["cu_seqlens_k"] = cu_seqlens(c.seqlens_k, device)
+        inputs["seqused_k"] = (None if c.seqused_k is None
+                               else torch.tensor(c.seqused_k, dtype=torch.int32, device=device))
+    return inputs
+
+
+def run_flare(case, inputs, backward=True):
+    """flare's forward (and backward) through the flash_attn-compatible functions: (out, lse, (dq, dk, dv))."""
+    import flare
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    for t in (q, k, v):
+        t.grad = None
+    kwargs = interface_kwargs(case, inputs["slopes"])
+    if case.varlen:
+        out, lse = flare.flash_attn_varlen_func(
+            q, k, v, inputs["cu_seqlens_q"], inputs["cu_seqlens_k"], max(max(case.seqlens_q), 1),
+            max(max(case.seqlens_k), 1), seqused_k=inputs["seqused_k"], return_softmax_lse=True, **kwargs)
+    else:
+        out, lse, _ = flare.flash_attn_func(q, k, v, return_attn_probs=True, **kwargs)
+    grads = None
+    if backward:
+        out.backward(inputs["dout"])
+        grads = (q.grad, k.grad, v.grad)
+    return out, lse, grads
+
+
+def reference(case, inputs, round_dtype=None, backward=True):
+    opts = options_of(case, inputs["slopes"])
+    q, k, v = (inputs[n].detach() for n in ("q", "k", "v"))
+    dout = inputs["dout"] if backward else None
+    round_scores = round_dtype is not None and case.softcap > 0
+    if case.varlen:
+        return varlen_attention(q, k, v, inputs["cu_seqlens_q"], inputs["cu_seqlens_k"], opts,
+                                inputs["seqused_k"], dout, round_dtype, round_scores)
+    return dense_attention(q, k, v, opts, dout, round_dtype, round_scores)
+
+
+def check_case(case, backward=True, device=None):
+    """The whole check of one case; raises AssertionError naming the case on any mismatch."""
+    inputs = make_inputs(case, device)
+    out, lse, grads = run_flare(case, inputs, backward)
+    context = f"[{case.describe()}]"
+    expected_out = (inputs["dout"].shape)
+    assert out.shape == expected_out and out.dtype == case.dtype, \
+        f"out: {tuple(out.shape)} {out.dtype}, expected {tuple(expected_out)} {case.dtype} {context}"
+    ref = reference(case, inputs, None, backward)
+    naive = reference(case, inputs, case.dtype, backward)
+    check_close("out", out.detach(), ref["out"], naive["out"], case.dtype, context)
+    check_lse(lse, ref["lse"], naive["lse"] if case.softcap > 0 else None, context)
+    if backward:
+        for name, got in zip(("dq", "dk", "dv"), grads):
+            check_close(name, got, ref[name], naive[name], case.dtype, context)
+    return inputs, (out, lse, grads)
+
+
+def flops_of(case):
+    """Rough forward FLOPs, for sizing decisions only."""
+    if case.varlen:
+        pairs = sum(a * b for a, b in zip(case.seqlens_q, case.seqlens_k))
+    else:
+        pairs = case.batch * case.seqlen_q * case.seqlen_k
+    return 2.0 * pairs * case.nheads * (case.headdim + case.dv)
+
+
+def heads_cycle(index):
+    """MHA, GQA and MQA in turn, so a list of cases covers all three."""
+    return [(4, 4), (6, 2), (4, 1)][index % 3]
+
+
+def default_scale(headdim):
+    return 1.0 / math.sqrt(headdim)

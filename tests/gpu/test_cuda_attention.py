@@ -1,0 +1,215 @@
+"""flare on CUDA tensors, every feature and combination, against the fp32 reference (attention_reference.py)
+by the same-dtype-error rule of STYLE.md #10: forward (out, softmax_lse) and backward (dq, dk, dv) through
+the flash_attn-compatible functions, on fresh random inputs with odd lengths.
+
+  pytest tests/gpu                          on the GPU machine (skips when no CUDA device is present)
+  pytest tests/gpu --device cpu             the same cases at small sizes against the CPU backend
+
+The CUDA path covers fp16/bf16, head dims that are multiples of 8 up to 256 (headdim_v may differ), causal,
+windows, softcap, ALiBi, GQA/MQA, varlen (+ seqused_k), LSE and a deterministic backward. Its KV-cache pass
+is later work: nothing here needs it.
+"""
+
+import pytest
+import torch
+
+import flare
+from cases import (DEVICE, SMALL, Case, check_case, heads_cycle, make_inputs, reference, require_cuda_backend,
+                   skip_module_without_device)
+from attention_reference import check_close
+
+skip_module_without_device()
+
+DTYPES = [torch.float16, torch.bfloat16]
+if SMALL:
+    SEQLENS = [(1, 1), (17, 17), (13, 29), (29, 13), (40, 40), (37, 3)]
+    HEADDIMS = [8, 40, 64]
+    FEATURE_SEQLENS = [(17, 17), (13, 29), (29, 13)]
+    FEATURE_HEADDIMS = [16, 64]
+else:
+    SEQLENS = [(1, 1), (17, 17), (113, 203), (799, 3), (1023, 1024), (2048, 2048), (203, 113)]
+    HEADDIMS = [64, 96, 128, 192, 256, 8, 40, 72, 136, 200]
+    FEATURE_SEQLENS = [(17, 17), (113, 203), (203, 113), (799, 3), (1023, 1024)]
+    FEATURE_HEADDIMS = [64, 128, 256, 72]
+
+
+def _id(value):
+    if isinstance(value, torch.dtype):
+        return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(value, str(value))
+    if isinstance(value, tuple):
+        return "x".join(map(str, value))
+    return str(value)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _backend():
+    require_cuda_backend()
+
+
+def _batch_for(seqlen_q, seqlen_k):
+    return 1 if max(seqlen_q, seqlen_k) >= 2048 else 2
+
+
+# ---- the main matrix: every length pair x head dim x dtype, with and without causal ----------------------
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("headdim", HEADDIMS, ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_dense(dtype, seqlens, headdim, causal):
+    sq, sk = seqlens
+    nheads, nheads_k = heads_cycle(HEADDIMS.index(headdim) + SEQLENS.index(seqlens))
+    check_case(Case(dtype=dtype, batch=_batch_for(sq, sk), seqlen_q=sq, seqlen_k=sk, nheads=nheads,
+                    nheads_k=nheads_k, headdim=headdim, causal=causal))
+
+
+# ---- masks, softcap, ALiBi, scale: each alone and combined -------------------------------------------------
+
+FEATURES = {
+    "window-left": dict(window=(37, -1)),
+    "window-right": dict(window=(-1, 29)),
+    "window-both": dict(window=(64, 16)),
+    "window-diagonal": dict(window=(0, 0)),
+    "causal-window": dict(causal=True, window=(100, -1)),
+    "softcap": dict(softcap=2.0, softmax_scale=0.5),
+    "softcap-causal": dict(causal=True, softcap=30.0),
+    "alibi-head": dict(alibi="head"),
+    "alibi-batch-causal": dict(causal=True, alibi="batch"),
+    "scale": dict(softmax_scale=0.37),
+    "everything": dict(causal=True, window=(50, -1), softcap=20.0, alibi="batch", softmax_scale=0.2),
+}
+
+
+@pytest.mark.parametrize("headdim", FEATURE_HEADDIMS, ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("seqlens", FEATURE_SEQLENS, ids=_id)
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_features(dtype, feature, seqlens, headdim):
+    sq, sk = seqlens
+    nheads, nheads_k = heads_cycle(list(FEATURES).index(feature) + FEATURE_HEADDIMS.index(headdim))
+    check_case(Case(dtype=dtype, batch=2, seqlen_q=sq, seqlen_k=sk, nheads=nheads, nheads_k=nheads_k,
+                    headdim=headdim, **FEATURES[feature]))
+
+
+HEADDIM_PAIRS = [(192, 128), (128, 64), (64, 256), (40, 72), (256, 8)] if not SMALL else [(40, 24), (16, 64)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dims", HEADDIM_PAIRS, ids=_id)
+@pytest.mark.parametrize("seqlens", FEATURE_SEQLENS[1:3], ids=_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_headdim_v(dtype, seqlens, dims, causal):
+    sq, sk = seqlens
+    check_case(Case(dtype=dtype, batch=2, seqlen_q=sq, seqlen_k=sk, nheads=6, nheads_k=2, headdim=dims[0],
+                    headdim_v=dims[1], causal=causal))
+
+
+# ---- varlen: ragged lengths, empty sequences, seqused_k ------------------------------------------------------
+
+if SMALL:
+    VARLEN = {
+        "ragged": ([1, 17, 0, 29, 8], [1, 17, 0, 29, 8], None),
+        "cross": ([3, 13, 0, 5], [17, 9, 5, 0], None),
+        "seqused": ([5, 21, 9, 4], [16, 21, 30, 4], [10, 21, 0, 4]),
+    }
+    VARLEN_HEADDIMS = [16, 64]
+else:
+    VARLEN = {
+        "ragged": ([1, 17, 113, 0, 799, 64], [1, 17, 113, 0, 799, 64], None),
+        "cross": ([3, 113, 0, 50, 203], [17, 203, 5, 0, 113], None),
+        "decode": ([1, 1, 1, 1, 2], [33, 1024, 7, 500, 2], None),
+        "seqused": ([64, 300, 17, 5, 128], [64, 300, 40, 5, 256], [10, 300, 0, 5, 129]),
+        "many": ("random", 23, None),  # 23 sequences of 0..150 tokens, q and k lengths drawn separately
+    }
+    VARLEN_HEADDIMS = [64, 128, 256, 40]
+
+VARLEN_FEATURES = {
+    "plain": {},
+    "causal": dict(causal=True),
+    "window": dict(window=(32, 8)),
+    "causal-softcap-alibi": dict(causal=True, softcap=15.0, alibi="batch"),
+}
+
+
+def _varlen_lengths(spec, seed):
+    seqlens_q, seqlens_k, seqused = spec
+    if seqlens_q == "random":
+        gen = torch.Generator().manual_seed(seed)
+        n = seqlens_k
+        seqlens_q = torch.randint(0, 151, (n,), generator=gen).tolist()
+        seqlens_k = torch.randint(0, 151, (n,), generator=gen).tolist()
+        seqlens_q[3] = seqlens_k[5] = 0  # always an empty query range and an empty key range
+    return list(seqlens_q), list(seqlens_k), None if seqused is None else list(seqused)
+
+
+@pytest.mark.parametrize("headdim", VARLEN_HEADDIMS, ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("feature", list(VARLEN_FEATURES))
+@pytest.mark.parametrize("lengths", list(VARLEN))
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_varlen(dtype, lengths, feature, headdim):
+    sq, sk, used = _varlen_lengths(VARLEN[lengths], seed=torch.initial_seed())
+    nheads, nheads_k = heads_cycle(list(VARLEN).index(lengths) + VARLEN_HEADDIMS.index(headdim))
+    check_case(Case(dtype=dtype, seqlens_q=sq, seqlens_k=sk, seqused_k=used, nheads=nheads, nheads_k=nheads_k,
+                    headdim=headdim, **VARLEN_FEATURES[feature]))
+
+
+# ---- one large case ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(SMALL, reason="large case: full size only")
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_large_causal(dtype):
+    check_case(Case(dtype=dtype, batch=2, seqlen_q=4096, seqlen_k=4096, nheads=16, nheads_k=4, headdim=128,
+                    causal=True))
+
+
+# ---- layouts: strided views, packed tensors, the transformers layout -----------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_packed_and_strided_inputs(dtype):
+    b, s, h, d = 2, (40 if SMALL else 333), 4, 64
+    case = Case(dtype=dtype, batch=b, seqlen_q=s, seqlen_k=s, nheads=h, nheads_k=h, headdim=d, causal=True)
+    qkv = torch.randn(b, s, 3, h, d, device=DEVICE).to(dtype).requires_grad_()
+    out = flare.flash_attn_qkvpacked_func(qkv, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    q, k, v = (t.detach() for t in qkv.unbind(2))
+    inputs = {"q": q, "k": k, "v": v, "dout": dout, "slopes": None}
+    ref, naive = reference(case, inputs), reference(case, inputs, dtype)
+    check_close("out (qkvpacked)", out.detach(), ref["out"], naive["out"], dtype)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        check_close(f"{name} (qkvpacked)", qkv.grad[:, :, i], ref[name], naive[name], dtype)
+
+    # (batch, heads, seqlen, dim) tensors seen as (batch, seqlen, heads, dim): how transformers passes them
+    qt, kt, vt = (torch.randn(b, h, s, d, device=DEVICE).to(dtype).transpose(1, 2) for _ in range(3))
+    out = flare.flash_attn_func(qt, kt, vt, causal=True)
+    inputs = {"q": qt, "k": kt, "v": vt, "dout": dout, "slopes": None}
+    ref, naive = reference(case, inputs, backward=False), reference(case, inputs, dtype, backward=False)
+    check_close("out (head-major strides)", out, ref["out"], naive["out"], dtype)
+
+    # kv packed, GQA
+    case = case.with_(nheads_k=2, causal=False)
+    qq = torch.randn(b, s, h, d, device=DEVICE).to(dtype)
+    kv = torch.randn(b, s, 2, 2, d, device=DEVICE).to(dtype)
+    out = flare.flash_attn_kvpacked_func(qq, kv)
+    inputs = {"q": qq, "k": kv[:, :, 0], "v": kv[:, :, 1], "dout": dout, "slopes": None}
+    ref, naive = reference(case, inputs, backward=False), reference(case, inputs, dtype, backward=False)
+    check_close("out (kvpacked)", out, ref["out"], naive["out"], dtype)
+
+
+def test_forward_only_inference_mode():
+    case = Case(dtype=torch.bfloat16, batch=2, seqlen_q=113 if not SMALL else 13, seqlen_k=203 if not SMALL else 29,
+                nheads=6, nheads_k=2, headdim=128 if not SMALL else 64, causal=True)
+    inputs = make_inputs(case)
+    with torch.inference_mode():
+        out = flare.flash_attn_func(inputs["q"], inputs["k"], inputs["v"], causal=True)
+    ref, naive = reference(case, inputs, backward=False), reference(case, inputs, case.dtype, backward=False)
+    check_close("out", out, ref["out"], naive["out"], case.dtype)
+
+
+def test_dropout_is_refused():
+    q = torch.randn(1, 8, 2, 64, device=DEVICE).to(torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        flare.flash_attn_func(q, q, q, dropout_p=0.1)
