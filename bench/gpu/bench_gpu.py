@@ -1,0 +1,517 @@
+#!/usr/bin/env python3
+"""GPU benchmark: flare forward and backward against torch SDPA's FLASH_ATTENTION (FA2), CUDNN_ATTENTION
+and EFFICIENT_ATTENTION backends, in one process, by the protocol of shared/BENCH.md.
+
+Shapes: 16384 tokens in total (batch = 16384 / seqlen), model width 2048 (nheads = 2048 / headdim), seqlen
+512 ... 16384, headdim 64 / 128 / 256, bf16, causal and not, forward and backward. Each implementation gets
+fresh N(0, 1) inputs in its own layout: flare (batch, seqlen, heads, dim) as a QKV projection gives it,
+torch SDPA (batch, heads, seqlen, dim) contiguous, its fastest. Backward times the gradient of one recorded
+forward: flare_bwd fed flare's own out/lse (through the C ABI with params built once, as the CPU bench does),
+torch through autograd (retain_graph).
+Timing: triton.testing.do_bench (CUDA events, L2 flushed before every run, median) after its warm-up; or,
+with --timer cudagraph, triton's do_bench_cudagraph (launch overhead removed for everyone).
+FLOPs: bench/flops.py (BENCH.md: 4·b·h·sq·sk·d, halved when causal; backward 2.5x).
+Ceilings of the same run: a 1 GiB device-to-device copy (bytes read + written) and an 8192^3 bf16 matmul.
+Accuracy gate before timing each shape: flare's out and dq/dk/dv on one sequence x up to 4 heads against an
+fp32 reference, within 2x the error of torch's own bf16 kernel (+ one bf16 ulp); a failure is recorded
+in flare's rows ("check_failed") and makes the exit status 1, but the run goes on.
+Memory: fwd + bwd, causal, 1 x 16 heads x hd 128 at seqlen 8192 and 16384: peak allocated memory beyond
+the inputs for flare, torch math and torch flash.
+
+Rows follow BENCH.md's schema, plus "vs_fa2" / "vs_cudnn" on every timed row (its TFLOP/s over the peer's;
+> 1 means faster than that peer) and "skipped" with the reason where a backend refused a shape.
+
+  python3 bench/gpu/bench_gpu.py                         full run -> bench/results/gpu-fwd-bwd-<date>.json
+  python3 bench/gpu/bench_gpu.py --quick --out $OUT      a few shapes, JSON under $OUT
+  python3 bench/gpu/bench_gpu.py --dry-run               no GPU: synthetic timings, exercises the JSON path
+  python3 bench/gpu/bench_gpu.py --device cpu --tokens 512 --width 128 --seqlens 128 256 --headdims 64
+                                                         no GPU: the real code path on the CPU backend
+                                                         (perf_counter timing, no ceilings or memory run)
+"""
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "python"))
+
+from flops import attention_flops  # noqa: E402
+import meta as run_meta  # noqa: E402
+
+TOTAL_TOKENS = 16384
+MODEL_WIDTH = 2048
+SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
+HEADDIMS = [64, 128, 256]
+IMPLS = ["flare", "torch-flash", "torch-cudnn", "torch-efficient"]
+MEMORY_SEQLENS = [8192, 16384]
+MEMORY_IMPLS = ["flare", "torch-math", "torch-flash"]
+GATE_HEADS = 4  # the accuracy gate looks at one sequence and this many heads
+BF16_ULP_AT_1 = 2.0 ** -7
+
+
+def sdpa_backends():
+    from torch.nn.attention import SDPBackend
+    return {"torch-flash": SDPBackend.FLASH_ATTENTION, "torch-cudnn": SDPBackend.CUDNN_ATTENTION,
+            "torch-efficient": SDPBackend.EFFICIENT_ATTENTION, "torch-math": SDPBackend.MATH}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# implementations
+
+
+class FlareAbi:
+    """flare through the C ABI, params built once (the timed call is one ctypes call). Layout (b, s, h, d)."""
+
+    def __init__(self, q, k, v, dout, causal):
+        from flare import _capi
+        lib = _capi.library()
+        tv = _capi.tensor_view
+        b, s, h, _ = q.shape
+        self.lib, self.keep = lib, [q, k, v, dout]
+        self.out = torch.empty_like(q)
+        self.lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
+        self.dq, self.dk, self.dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        stream = torch.cuda.current_stream().cuda_stream if q.is_cuda else None
+        fp = lib.fwd_params()
+        fp.q, fp.k, fp.v, fp.out, fp.softmax_lse = tv(q), tv(k), tv(v), tv(self.out), tv(self.lse)
+        fp.attn.causal = int(causal)
+        fp.exec.stream = stream
+        self._workspace(fp, lib.fwd_workspace_size(fp, False), q.device)
+        bp = lib.bwd_params()
+        bp.q, bp.k, bp.v, bp.out, bp.dout, bp.softmax_lse = tv(q), tv(k), tv(v), tv(self.out), tv(dout), tv(self.lse)
+        bp.dq, bp.dk, bp.dv = tv(self.dq), tv(self.dk), tv(self.dv)
+        bp.attn.causal = int(causal)
+        bp.exec.stream = stream
+        self._workspace(bp, lib.bwd_workspace_size(bp, False), q.device)
+        self.fwd_params, self.bwd_params = fp, bp
+        self.fwd()  # the backward reads out and lse: never time it on an unwritten pair
+
+    def _workspace(self, params, nbytes, device):
+        if nbytes:
+            ws = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self.keep.append(ws)
+            params.exec.workspace, params.exec.workspace_size = ws.data_ptr(), nbytes
+
+    def fwd(self):
+        self.lib.fwd(self.fwd_params)
+
+    def bwd(self):
+        self.lib.bwd(self.bwd_params)
+
+    def outputs(self):
+        return self.out, (self.dq, self.dk, self.dv)
+
+
+class Autograd:
+    """An attention function through autograd: forward under no_grad, backward as the gradient of one
+    recorded forward (retain_graph, so it can be timed again and again)."""
+
+    def __init__(self, attend, q, k, v, dout):
+        self.attend, self.q, self.k, self.v, self.dout = attend, q, k, v, dout
+        self.graph = None
+
+    def fwd(self):
+        with torch.no_grad():
+            return self.attend(self.q, self.k, self.v)
+
+    def bwd(self):
+        if self.graph is None:
+            leaves = [x.detach().requires_grad_() for x in (self.q, self.k, self.v)]
+            self.graph = (self.attend(*leaves), leaves)
+        out, leaves = self.graph
+        return torch.autograd.grad(out, leaves, self.dout, retain_graph=True)
+
+    def outputs(self):
+        return self.fwd(), self.bwd()
+
+
+def sdpa(backend, causal):
+    from torch.nn.attention import sdpa_kernel
+
+    def attend(q, k, v):  # (b, h, s, d)
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return attend
+
+
+def flare_autograd(causal):
+    import flare
+
+    def attend(q, k, v):  # (b, s, h, d)
+        return flare.flash_attn_func(q, k, v, causal=causal)
+    return attend
+
+
+def synchronize():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def refusal_reason(run):
+    """None if run() works, else why not: the exception and the warnings torch gives for each backend."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            run()
+            synchronize()
+            return None
+        except (RuntimeError, torch.OutOfMemoryError) as e:
+            reasons = [str(w.message).strip().splitlines()[0] for w in caught][:4]
+            return "; ".join([str(e).strip().splitlines()[0]] + reasons)[:600]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# measurement
+
+
+def timer(args):
+    if args.device == "cpu":
+        def perf_counter_ms(fn):
+            fn()
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - start) * 1e3)
+            return statistics.median(times)
+        return perf_counter_ms
+    import triton.testing
+    if args.timer == "cudagraph":
+        return lambda fn: triton.testing.do_bench_cudagraph(fn, rep=args.rep_ms, return_mode="median")
+    return lambda fn: triton.testing.do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
+
+
+def measure_ceilings(time_ms):
+    nbytes = 1 << 30
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    copy_ms = time_ms(lambda: dst.copy_(src))
+    del src, dst
+    n = 8192
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+    mm_ms = time_ms(lambda: torch.mm(a, b, out=c))
+    return {"copy_tbps": round(2 * nbytes / (copy_ms * 1e-3) / 1e12, 3),
+            "matmul_bf16_tflops": round(2 * n ** 3 / (mm_ms * 1e-3) / 1e12, 1)}
+
+
+def shape_of(seqlen, headdim, args):
+    return {"batch": max(1, args.tokens // seqlen), "nheads": max(1, args.width // headdim), "seqlen_q": seqlen,
+            "seqlen_k": seqlen, "headdim": headdim}
+
+
+def make_row(pass_, impl, shape, causal, ms, **extra):
+    row = {"pass": pass_, "impl": impl, "dtype": "bf16", "batch": shape["batch"], "seqlen_q": shape["seqlen_q"],
+           "seqlen_k": shape["seqlen_k"], "nheads": shape["nheads"], "nheads_k": shape["nheads"],
+           "headdim": shape["headdim"], "causal": causal, "ms": None if ms is None else round(ms, 5)}
+    if ms is not None:
+        flops = attention_flops(pass_, shape["batch"], shape["nheads"], shape["seqlen_q"], shape["seqlen_k"],
+                                shape["headdim"], causal)
+        row["tflops"] = round(flops / (ms * 1e-3) / 1e12, 2)
+    row.update(extra)
+    return row
+
+
+def add_ratios(rows):
+    """vs_fa2 / vs_cudnn on every timed row: its TFLOP/s over torch-flash's / torch-cudnn's for the same shape."""
+    key = lambda r: (r["pass"], r["dtype"], r["batch"], r["seqlen_q"], r["seqlen_k"], r["nheads"],  # noqa: E731
+                     r["nheads_k"], r["headdim"], r["causal"])
+    by_shape = {}
+    for r in rows:
+        if "peak_mib" not in r and r.get("tflops"):
+            by_shape.setdefault(key(r), {})[r["impl"]] = r["tflops"]
+    for r in rows:
+        peers = by_shape.get(key(r), {})
+        if "peak_mib" in r or not r.get("tflops"):
+            continue
+        for field, peer in (("vs_fa2", "torch-flash"), ("vs_cudnn", "torch-cudnn")):
+            if peers.get(peer):
+                r[field] = round(r["tflops"] / peers[peer], 3)
+
+
+def max_err(x, ref):
+    return (x.float() - ref.float()).abs().max().item()
+
+
+def accuracy_gate(flare_outputs, peer_outputs, q, k, v, dout, causal):
+    """flare vs an fp32 reference on batch 0, heads [0, GATE_HEADS): returns (ok, message, errors)."""
+    h = min(GATE_HEADS, q.shape[2])
+    sl = (slice(0, 1), slice(None), slice(0, h))
+    leaves = [x[sl].detach().float().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v)]
+    ref_out = F.scaled_dot_product_attention(*leaves, is_causal=causal)  # fp32: torch picks efficient or math
+    ref_grads = torch.autograd.grad(ref_out, leaves, dout[sl].float().transpose(1, 2))
+    ref_out = ref_out.transpose(1, 2)
+    ref_grads = [g.transpose(1, 2) for g in ref_grads]
+    names = ("out", "dq", "dk", "dv")
+    mine = [flare_outputs[0][sl]] + [g[sl] for g in flare_outputs[1]]
+    theirs = [peer_outputs[0][sl]] + [g[sl] for g in peer_outputs[1]]
+    messages, errors = [], {}
+    for name, m, t, r in zip(names, mine, theirs, [ref_out] + ref_grads):
+        e_mine, e_peer = max_err(m, r), max_err(t, r)
+        bound = 2 * e_peer + BF16_ULP_AT_1 * max(1.0, r.abs().max().item())
+        errors[name] = float(f"{e_mine:.3e}")
+        if not e_mine <= bound:
+            messages.append(f"{name}: flare error {e_mine:.3e} > {bound:.3e} (2 x torch's {e_peer:.3e} + 1 ulp)")
+    return not messages, "; ".join(messages), errors
+
+
+def run_shape(seqlen, headdim, causal, args, time_ms, table):
+    shape = shape_of(seqlen, headdim, args)
+    b, h, s, d = shape["batch"], shape["nheads"], seqlen, headdim
+    q, k, v, dout = (torch.randn(b, s, h, d, device=args.device, dtype=torch.bfloat16) for _ in range(4))
+    qt, kt, vt, doutt = (x.transpose(1, 2).contiguous() for x in (q, k, v, dout))  # torch's (b, h, s, d)
+    backends = sdpa_backends()
+    runners, rows = {}, []
+    for impl in args.impls:
+        if impl == "flare":
+            runners[impl] = (FlareAbi(q, k, v, dout, causal) if args.flare_via == "abi"
+                             else Autograd(flare_autograd(causal), q, k, v, dout))
+            continue
+        runner = Autograd(sdpa(backends[impl], causal), qt, kt, vt, doutt)
+        why = refusal_reason(runner.fwd) or refusal_reason(runner.bwd)
+        if why:
+            for pass_ in args.passes:
+                rows.append(make_row(pass_, impl, shape, causal, None, skipped=why))
+            runner.graph = None
+            continue
+        runners[impl] = runner
+
+    extra = {}
+    if args.check and "flare" in runners:
+        peer = next((runners[p] for p in ("torch-flash", "torch-cudnn", "torch-efficient") if p in runners), None)
+        if peer is not None:
+            runners["flare"].fwd()
+            runners["flare"].bwd()
+            f_out = runners["flare"].outputs()
+            p_out, p_grads = peer.outputs()
+            p_out, p_grads = p_out.transpose(1, 2), [g.transpose(1, 2) for g in p_grads]
+            ok, message, errors = accuracy_gate(f_out, (p_out, p_grads), q, k, v, dout, causal)
+            extra["max_abs_err"] = errors
+            if not ok:
+                extra["check_failed"] = message
+                print(f"  ACCURACY CHECK FAILED hd{headdim} seqlen {seqlen} causal {causal}: {message}", flush=True)
+    for pass_ in args.passes:
+        times = {}
+        for impl, runner in runners.items():
+            fn = runner.fwd if pass_ == "fwd" else runner.bwd
+            ms = time_ms(fn)
+            times[impl] = ms
+            rows.append(make_row(pass_, impl, shape, causal, ms, **(extra if impl == "flare" else {})))
+        table.print_row(pass_, shape, causal, times)
+    for runner in runners.values():
+        if isinstance(runner, Autograd):
+            runner.graph = None
+    return rows
+
+
+def run_memory(seqlens, args):
+    """Peak allocated memory of one forward + backward beyond the inputs, per implementation."""
+    backends = sdpa_backends()
+    rows = []
+    for seqlen in seqlens:
+        shape = {"batch": 1, "nheads": 16, "seqlen_q": seqlen, "seqlen_k": seqlen, "headdim": 128}
+        for impl in MEMORY_IMPLS:
+            gc.collect()
+            torch.cuda.empty_cache()
+            layout = (1, seqlen, 16, 128) if impl == "flare" else (1, 16, seqlen, 128)
+            q, k, v, dout = (torch.randn(*layout, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+            for x in (q, k, v):
+                x.requires_grad_()
+            attend = flare_autograd(True) if impl == "flare" else sdpa(backends[impl], True)
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            try:
+                start.record()
+                attend(q, k, v).backward(dout)
+                end.record()
+                torch.cuda.synchronize()
+                peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+                rows.append(make_row("bwd", impl, shape, True, start.elapsed_time(end), peak_mib=round(peak, 1),
+                                     memory="one forward + backward: peak allocated beyond q, k, v, dout"))
+                rows[-1].pop("tflops", None)  # one cold run: a memory figure, not a speed figure
+                print(f"  memory {impl:<12} seqlen {seqlen:>6}: peak +{peak:12.1f} MiB", flush=True)
+            except (RuntimeError, torch.OutOfMemoryError) as e:
+                rows.append(make_row("bwd", impl, shape, True, None, skipped=str(e).splitlines()[0][:300],
+                                     memory="one forward + backward: peak allocated beyond q, k, v, dout"))
+                print(f"  memory {impl:<12} seqlen {seqlen:>6}: {rows[-1]['skipped']}", flush=True)
+            del q, k, v, dout
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------
+# output
+
+
+class Table:
+    def __init__(self, impls):
+        self.impls = impls
+        header = f"{'pass':<4} {'hd':>4} {'causal':<6} {'seqlen':>6} {'b x h':>7} |" + "".join(
+            f" {i:>15}" for i in impls) + " | flare/FA2 flare/cuDNN   (TFLOP/s)"
+        print(header)
+        print("-" * len(header), flush=True)
+
+    def print_row(self, pass_, shape, causal, times):
+        def tflops(ms):
+            return attention_flops(pass_, shape["batch"], shape["nheads"], shape["seqlen_q"], shape["seqlen_k"],
+                                   shape["headdim"], causal) / (ms * 1e-3) / 1e12
+        cells = "".join(f" {tflops(times[i]):15.1f}" if i in times else f" {'-':>15}" for i in self.impls)
+        ratios = ""
+        for peer in ("torch-flash", "torch-cudnn"):
+            ratios += (f" {times[peer] / times['flare']:9.2f}x" if "flare" in times and peer in times
+                       else f" {'-':>10}")
+        bh = f"{shape['batch']}x{shape['nheads']}"
+        print(f"{pass_:<4} {shape['headdim']:>4} {'yes' if causal else 'no':<6} {shape['seqlen_q']:>6} {bh:>7} |"
+              f"{cells} |{ratios}", flush=True)
+
+
+def dry_run_rows(args):
+    """Synthetic rows (no GPU): the shapes, FLOPs, ratios and JSON of a real run, with made-up times."""
+    fake_tflops = {"flare": 400.0, "torch-flash": 320.0, "torch-cudnn": 520.0, "torch-efficient": 150.0}
+    rows = []
+    for headdim in args.headdims:
+        for causal in args.causals:
+            for seqlen in args.seqlens:
+                shape = shape_of(seqlen, headdim, args)
+                for pass_ in args.passes:
+                    for impl in args.impls:
+                        if impl == "torch-efficient" and headdim == 256 and pass_ == "bwd":
+                            rows.append(make_row(pass_, impl, shape, causal, None, skipped="dry run: a refusal"))
+                            continue
+                        flops = attention_flops(pass_, shape["batch"], shape["nheads"], seqlen, seqlen, headdim,
+                                                causal)
+                        scale = 0.8 if pass_ == "bwd" else 1.0
+                        ms = flops / (fake_tflops[impl] * scale * 1e12) * 1e3
+                        rows.append(make_row(pass_, impl, shape, causal, ms))
+    if args.memory:
+        for seqlen in MEMORY_SEQLENS:
+            shape = {"batch": 1, "nheads": 16, "seqlen_q": seqlen, "seqlen_k": seqlen, "headdim": 128}
+            for impl, mib in (("flare", 0.004 * seqlen), ("torch-math", 0.24 * seqlen ** 2 / 2 ** 14),
+                              ("torch-flash", 0.004 * seqlen)):
+                rows.append(make_row("bwd", impl, shape, True, 1.0, peak_mib=round(mib, 1), memory="dry run"))
+                rows[-1].pop("tflops")
+    return rows
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="seqlen 1024 and 8192, headdim 128 (smoke run)")
+    p.add_argument("--out", type=Path, help="directory for the result JSON (default bench/results; with --quick "
+                   "or --dry-run build/bench)")
+    p.add_argument("--headdims", type=int, nargs="+", default=HEADDIMS)
+    p.add_argument("--seqlens", type=int, nargs="+", default=SEQLENS)
+    p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    p.add_argument("--passes", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"])
+    p.add_argument("--impls", nargs="+", choices=IMPLS, default=IMPLS)
+    p.add_argument("--flare-via", choices=["abi", "autograd"], default="abi",
+                   help="time flare through the C ABI with prebuilt params (default) or through its torch op + "
+                        "autograd, as the peers are")
+    p.add_argument("--timer", choices=["events", "cudagraph"], default="events")
+    p.add_argument("--warmup-ms", type=int, default=100)
+    p.add_argument("--rep-ms", type=int, default=300)
+    p.add_argument("--no-check", dest="check", action="store_false", help="skip the accuracy gate")
+    p.add_argument("--no-ceilings", dest="ceilings", action="store_false")
+    p.add_argument("--no-memory", dest="memory", action="store_false")
+    p.add_argument("--memory-seqlens", type=int, nargs="+", default=MEMORY_SEQLENS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dry-run", action="store_true", help="no GPU needed: synthetic timings, real JSON")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: check this script's code path against the CPU backend (small --tokens/--width)")
+    p.add_argument("--tokens", type=int, default=TOTAL_TOKENS, help="batch = tokens // seqlen")
+    p.add_argument("--width", type=int, default=MODEL_WIDTH, help="nheads = width // headdim")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seqlens, args.headdims, args.memory_seqlens = [1024, 8192], [128], [8192]
+        args.warmup_ms, args.rep_ms = min(args.warmup_ms, 50), min(args.rep_ms, 100)
+    args.causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    bad = [d for d in args.headdims if args.width % d or d % 8 or d > 256]
+    if bad:
+        p.error(f"head dims must divide the width {args.width}, be multiples of 8 and at most 256: {bad}")
+    bad = [s for s in args.seqlens if args.tokens % s and s < args.tokens]
+    if bad:
+        p.error(f"seqlens below --tokens {args.tokens} must divide it (batch = tokens / seqlen): {bad}")
+    if args.device == "cpu":
+        args.ceilings = args.memory = False
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    sha, dirty = run_meta.git_commit()
+    meta = {"commit": sha, "dirty": dirty, "date": run_meta.today(), "command": run_meta.command_line(__file__),
+            **run_meta.device_meta(torch), **({} if args.dry_run else run_meta.flare_meta()),
+            "shapes": f"batch = {args.tokens} // seqlen, nheads = {args.width} // headdim, bf16",
+            "layouts": "flare (b, s, h, d); torch SDPA (b, h, s, d), each contiguous",
+            "timing": (f"triton.testing.do_bench, median, warmup {args.warmup_ms} ms, rep {args.rep_ms} ms, L2 "
+                       "flushed before each run" if args.timer == "events"
+                       else f"triton.testing.do_bench_cudagraph, median, rep {args.rep_ms} ms"),
+            "flare_via": "C ABI, params built once" if args.flare_via == "abi" else "torch op + autograd",
+            "backward": "gradient of one recorded forward (flare: flare_bwd on its own out/lse)",
+            "ratios": "vs_fa2 / vs_cudnn = row TFLOP/s over torch-flash's / torch-cudnn's (> 1: faster)"}
+    if args.dry_run:
+        meta["dry_run"] = True
+        meta["ceilings"] = {"copy_tbps": 4.2, "matmul_bf16_tflops": 700.0}
+        rows = dry_run_rows(args)
+    else:
+        if args.device == "cuda" and not torch.cuda.is_available():
+            sys.exit("bench_gpu: no CUDA device (use --dry-run to exercise the script without one)")
+        if args.device == "cpu":
+            meta["device"] = "cpu (a check of the script, not a benchmark)"
+        elif "flare" in args.impls and not meta.get("flare_has_cuda"):
+            sys.exit(f"bench_gpu: libflare has no CUDA backend or was not found: {meta}")
+        torch.manual_seed(args.seed)
+        time_ms = timer(args)
+        meta["ceilings"] = measure_ceilings(time_ms) if args.ceilings else {}
+        print(f"{meta.get('device')}: ceilings {meta['ceilings']}; torch {torch.__version__}, cuDNN "
+              f"{meta.get('cudnn')}; flare {meta.get('flare_version')} ({meta.get('flare_library')})")
+        print(f"{meta['timing']}; flare via {meta['flare_via']}\n", flush=True)
+        table = Table(args.impls)
+        rows = []
+        for headdim in args.headdims:
+            for causal in args.causals:
+                for seqlen in args.seqlens:
+                    rows += run_shape(seqlen, headdim, causal, args, time_ms, table)
+                    gc.collect()
+                    if args.device == "cuda":
+                        torch.cuda.empty_cache()
+        if args.memory:
+            rows += run_memory(args.memory_seqlens, args)
+    add_ratios(rows)
+
+    trial = args.quick or args.dry_run or args.device == "cpu"  # never into bench/results by default
+    out_dir = args.out or (REPO / "build" / "bench" if trial else REPO / "bench" / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    topic = "gpu-fwd-bwd" + ("-dry-run" if args.dry_run else "-cpu-check" if args.device == "cpu" else "")
+    path = run_meta.default_result_path(out_dir, topic, quick=args.quick)
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        f.write("\n")
+    flare_rows = [r for r in rows if r["impl"] == "flare" and r.get("vs_fa2") and "peak_mib" not in r]
+    if flare_rows:
+        worst = min(flare_rows, key=lambda r: r["vs_fa2"])
+        below = sum(r["vs_fa2"] < 1.0 for r in flare_rows)
+        print(f"\nflare vs FA2: {len(flare_rows) - below} of {len(flare_rows)} rows >= 1.0x; worst "
+              f"{worst['vs_fa2']:.2f}x ({worst['pass']} hd{worst['headdim']} seqlen {worst['seqlen_q']} "
+              f"{'causal' if worst['causal'] else 'full'})")
+    failed = [r for r in rows if r.get("check_failed")]
+    print(f"wrote {path} ({len(rows)} rows)" + (f"; {len(failed)} rows FAILED the accuracy check" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""A few representative forward + backward calls of flare on CUDA, small enough to run under
+compute-sanitizer (10-100x slower than a plain run), each checked against the fp32 reference:
+
+  compute-sanitizer --tool memcheck  --error-exitcode 97 python3 tests/gpu/sanitize.py
+  compute-sanitizer --tool racecheck --error-exitcode 97 python3 tests/gpu/sanitize.py
+
+Shapes: causal, GQA/MQA, windows + softcap + ALiBi, varlen with an empty sequence and seqused_k, head dims
+64/128/256 (and 40, not a tile size), fp16 and bf16, the deterministic backward. Lengths are odd so that
+every partial tile is touched. torch's caching allocator is switched off (PYTORCH_NO_CUDA_MEMORY_CACHING=1,
+set here before torch starts) so that each tensor is its own allocation and memcheck sees an overrun past
+it rather than into a neighbour in the same pooled block.
+
+  --device cpu     runs the same calls against the CPU backend (a check of this script without a GPU)
+  --list           prints the cases and exits
+Exit status: 0 when every case ran and matched, 1 otherwise.
+"""
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--list", action="store_true")
+    p.add_argument("--only", help="run only the cases whose name contains this")
+    return p.parse_args()
+
+
+def main():
+    args = parse_args()
+    os.environ["FLARE_TEST_DEVICE"] = args.device
+    os.environ["FLARE_TEST_SIZE"] = "small"
+    cuda_build = REPO / "build" / "cuda" / "src" / "libflare.so"
+    if args.device == "cuda" and "FLARE_LIBRARY" not in os.environ and cuda_build.is_file():
+        os.environ["FLARE_LIBRARY"] = str(cuda_build)
+    sys.path.insert(0, str(REPO / "python"))
+    sys.path.insert(0, str(HERE))
+
+    import torch
+    from cases import Case, check_case, require_cuda_backend
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bf16, fp16 = torch.bfloat16, torch.float16
+    cases = {
+        "causal-hd128-bf16": Case(dtype=bf16, batch=2, seqlen_q=257, seqlen_k=257, nheads=4, nheads_k=4,
+                                  headdim=128, causal=True),
+        "gqa-hd64-fp16-cross": Case(dtype=fp16, batch=2, seqlen_q=113, seqlen_k=203, nheads=8, nheads_k=2,
+                                    headdim=64),
+        "mqa-hd256-bf16-sq>sk-causal": Case(dtype=bf16, batch=1, seqlen_q=190, seqlen_k=77, nheads=4, nheads_k=1,
+                                            headdim=256, causal=True),
+        "window-softcap-alibi-hd128-bf16": Case(dtype=bf16, batch=2, seqlen_q=150, seqlen_k=150, nheads=4,
+                                                nheads_k=2, headdim=128, window=(32, 16), softcap=20.0,
+                                                alibi="batch"),
+        "hd40-fp16-causal": Case(dtype=fp16, batch=1, seqlen_q=99, seqlen_k=130, nheads=2, nheads_k=2, headdim=40,
+                                 causal=True),
+        "hd192-v128-bf16": Case(dtype=bf16, batch=1, seqlen_q=70, seqlen_k=140, nheads=2, nheads_k=1, headdim=192,
+                                headdim_v=128),
+        "varlen-seqused-hd128-bf16": Case(dtype=bf16, seqlens_q=[0, 37, 129, 1], seqlens_k=[5, 60, 129, 300],
+                                          seqused_k=[5, 44, 129, 0], nheads=4, nheads_k=2, headdim=128,
+                                          causal=True),
+        "varlen-hd256-fp16": Case(dtype=fp16, seqlens_q=[65, 3, 200], seqlens_k=[65, 0, 111], nheads=2, nheads_k=2,
+                                  headdim=256),
+        "deterministic-hd64-bf16": Case(dtype=bf16, batch=2, seqlen_q=300, seqlen_k=300, nheads=4, nheads_k=1,
+                                        headdim=64, causal=True, deterministic=True),
+    }
+    if args.only:
+        cases = {n: c for n, c in cases.items() if args.only in n}
+    if args.list:
+        for name, case in cases.items():
+            print(f"{name:36s} {case.describe()}")
+        return 0
+
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("sanitize.py: no CUDA device", file=sys.stderr)
+            return 1
+        print(f"device {torch.cuda.get_device_name()}, caching allocator "
+              f"{'off' if os.environ.get('PYTORCH_NO_CUDA_MEMORY_CACHING') == '1' else 'on'}", flush=True)
+    require_cuda_backend()
+    torch.manual_seed(int(os.environ.get("FLARE_TEST_SEED", "1234")))
+    failed = []
+    for name, case in cases.items():
+        start = time.perf_counter()
+        try:
+            check_case(case)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            status = "ok"
+        except Exception:  # report and go on: one run of the sanitizer should show every case
+            failed.append(name)
+            status = "FAILED\n" + traceback.format_exc()
+        print(f"{name:36s} {time.perf_counter() - start:7.2f} s  {status}", flush=True)
+    print(f"\n{len(cases) - len(failed)} of {len(cases)} cases ok"
+          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
