@@ -68,8 +68,8 @@ def timing_tables(rows, ceiling):
                 ratios.append((vs_fa2, pass_, hd, causal, seqlen))
             share = f"{100 * tf['flare'] / ceiling:.0f}%" if ceiling and tf["flare"] else "-"
             mark = " **!**" if flare.get("check_failed") else ""
-            out.append(f"| {hd} | {'yes' if causal else 'no'} | {seqlen} | {batch} x {nheads} | {fmt(tf['flare'])}{mark} "
-                       f"| {fmt(tf['torch-flash'])} | {fmt(tf['torch-cudnn'])} | {fmt(tf['torch-efficient'])} "
+            out.append(f"| {hd} | {'yes' if causal else 'no'} | {seqlen} | {batch} x {nheads} "
+                       f"| {fmt(tf['flare'])}{mark} | {fmt(tf['torch-flash'])} | {fmt(tf['torch-cudnn'])} | {fmt(tf['torch-efficient'])} "
                        f"| {fmt(vs_fa2, 2)} | {fmt(vs_cudnn, 2)} | {share} |")
         out.append("")
     if ratios:
