@@ -69,8 +69,8 @@ def timing_tables(rows, ceiling):
             share = f"{100 * tf['flare'] / ceiling:.0f}%" if ceiling and tf["flare"] else "-"
             mark = " **!**" if flare.get("check_failed") else ""
             out.append(f"| {hd} | {'yes' if causal else 'no'} | {seqlen} | {batch} x {nheads} "
-                       f"| {fmt(tf['flare'])}{mark} | {fmt(tf['torch-flash'])} | {fmt(tf['torch-cudnn'])} | {fmt(tf['torch-efficient'])} "
-                       f"| {fmt(vs_fa2, 2)} | {fmt(vs_cudnn, 2)} | {share} |")
+                       f"| {fmt(tf['flare'])}{mark} | {fmt(tf['torch-flash'])} | {fmt(tf['torch-cudnn'])} "
+                       f"| {fmt(tf['torch-efficient'])} | {fmt(vs_fa2, 2)} | {fmt(vs_cudnn, 2)} | {share} |")
         out.append("")
     if ratios:
         at_least = sum(r[0] >= 1.0 for r in ratios)
