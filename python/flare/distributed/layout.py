@@ -145,6 +145,8 @@ class VarlenGeometry(_Geometry):
         q_ids = chunk_ids(self.world_size, self.rank, self.zigzag)
         k_ids = chunk_ids(self.world_size, src, self.zigzag)
         h = self.half
+        if h == 0:  # every sequence empty: nothing to attend
+            return
         for a, qi in enumerate(q_ids):
             for b, ki in enumerate(k_ids):
                 window = self._order_window(qi, ki)
