@@ -25,7 +25,7 @@
 #   FLARE_COMMIT=<sha> tests/gpu/run.sh bench
 #   FLARE_COMMIT=<sha> tests/gpu/run.sh train demo
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
 REPO=$PWD
 
 STAGES=("$@")
@@ -69,7 +69,8 @@ stage() {
   (( limit > left )) && limit=$left
   log ""
   log "==== $name ($(date +%T), limit ${limit} s): $*"
-  local t0=$(date +%s)
+  local t0
+  t0=$(date +%s)
   timeout -k 20 "$limit" "$@" 2>&1 | tee -a "$LOG" "$WORK/$name.log"
   local rc=${PIPESTATUS[0]}
   local status=passed
@@ -124,7 +125,7 @@ for s in "${STAGES[@]}"; do
     bench)
       words BENCH_ARGS
       stage bench 540 "$PY" bench/gpu/bench_gpu.py --out "$OUT" "${WORDS[@]}"
-      result=$(ls -t "$OUT"/gpu-fwd-bwd*.json 2>/dev/null | head -1)
+      result=$(ls -t "$OUT"/gpu-fwd-bwd*.json 2>/dev/null | head -1)  # shellcheck disable=SC2012
       if [[ -n $result ]]; then
         stage bench-plot 60 "$PY" bench/gpu/plot.py "$result"
       fi
