@@ -125,7 +125,8 @@ for s in "${STAGES[@]}"; do
     bench)
       words BENCH_ARGS
       stage bench 540 "$PY" bench/gpu/bench_gpu.py --out "$OUT" "${WORDS[@]}"
-      result=$(ls -t "$OUT"/gpu-fwd-bwd*.json 2>/dev/null | head -1)  # shellcheck disable=SC2012
+      # shellcheck disable=SC2012  # our own file names
+      result=$(ls -t "$OUT"/gpu-fwd-bwd*.json 2>/dev/null | head -1)
       if [[ -n $result ]]; then
         stage bench-plot 60 "$PY" bench/gpu/plot.py "$result"
       fi
