@@ -7,6 +7,9 @@
 #include "api/error.hpp"
 #include "api/validate.hpp"
 #include "cpu/cpu_backend.hpp"
+#if FLARE_WITH_CUDA
+#include "cuda/cuda_backend.hpp"
+#endif
 #include "flare/flare.h"
 
 namespace flare::detail {
@@ -47,15 +50,31 @@ flare_status guarded(const char* entry, Body&& body) noexcept {
   }
 }
 
-// Validated problem to backend. `run` is the CPU backend's entry for the pass.
+// Validated problem to backend: the CPU entry `run`, or the CUDA one for the same pass.
 flare_status dispatch(const Problem& problem, flare_status (*run)(const Problem&)) {
-  if (problem.device.type == FLARE_DEVICE_CUDA) return fail(FLARE_UNSUPPORTED, kNoCuda);
+  if (problem.device.type == FLARE_DEVICE_CUDA) {
+#if FLARE_WITH_CUDA
+    switch (problem.pass) {
+      case Pass::kForward: return cuda::forward(problem);
+      case Pass::kBackward: return cuda::backward(problem);
+      case Pass::kKvCache: return cuda::kvcache(problem);
+    }
+#endif
+    return fail(FLARE_UNSUPPORTED, kNoCuda);
+  }
   if (flare_status s = validate_workspace(problem); s != FLARE_OK) return s;
   return run(problem);
 }
 
 flare_status report_workspace(const Problem& problem, size_t* bytes) {
-  if (problem.device.type == FLARE_DEVICE_CUDA) return fail(FLARE_UNSUPPORTED, kNoCuda);
+  if (problem.device.type == FLARE_DEVICE_CUDA) {
+#if FLARE_WITH_CUDA
+    if (problem.pass == Pass::kKvCache) return cuda::kvcache(problem);
+    return cuda::workspace_size(problem, bytes);
+#else
+    return fail(FLARE_UNSUPPORTED, kNoCuda);
+#endif
+  }
   *bytes = cpu::workspace_size(problem);
   return FLARE_OK;
 }
@@ -211,6 +230,6 @@ FLARE_API const char* flare_cpu_isa(void) {
   }
 }
 
-FLARE_API int32_t flare_has_cuda(void) { return 0; }
+FLARE_API int32_t flare_has_cuda(void) { return FLARE_WITH_CUDA ? 1 : 0; }
 
 }  // extern "C"

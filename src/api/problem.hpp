@@ -49,6 +49,9 @@ struct Problem {
   // Dense: every sequence has these lengths. Varlen: the maxima over sequences (an upper bound).
   int64_t seqlen_q = 0;
   int64_t seqlen_k = 0;
+  // Tokens in all: batch * seqlen (dense) or q.shape[0] / k.shape[0] (varlen).
+  int64_t total_q = 0;
+  int64_t total_k = 0;
 
   Operand q, k, v, out;
   Operand dout, dq, dk, dv;  // backward only

@@ -184,6 +184,8 @@ void check_attention(const AttnArgs& a, Problem* p) {
     require_shape(a.out, "out", {total_q, nheads, headdim_v}, "(total_q, nheads, headdim_v)");
     if (is_present(a.lse)) require_shape(a.lse, "softmax_lse", {nheads, total_q}, "(nheads, total_q)");
     check_varlen_indices(a, total_q, total_k, p);
+    p->total_q = total_q;
+    p->total_k = total_k;
     p->q = varlen_operand(a.q);
     p->k = varlen_operand(a.k);
     p->v = varlen_operand(a.v);
@@ -208,6 +210,8 @@ void check_attention(const AttnArgs& a, Problem* p) {
     p->batch = batch;
     p->seqlen_q = seqlen_q;
     p->seqlen_k = seqlen_k;
+    p->total_q = batch * seqlen_q;
+    p->total_k = batch * seqlen_k;
     p->q = dense_operand(a.q);
     p->k = dense_operand(a.k);
     p->v = dense_operand(a.v);

@@ -1,0 +1,73 @@
+// params.hpp — what a CUDA attention kernel receives: plain pointers, element strides and options, built on
+// the host from a validated Problem (src/cuda/backend.cu). Host and device code both include this file;
+// it has no CUDA or CuTe dependency.
+#pragma once
+
+#include <cstdint>
+
+namespace flare::cuda {
+
+// One (token, head, dim) operand: element (b, t, h, c) of a dense tensor is at
+//   ptr + b * batch_stride + t * row_stride + h * head_stride + c.
+// Varlen tensors have batch_stride 0; token t of sequence b is cu_seqlens[b] + t.
+struct Tensor3 {
+  void* ptr = nullptr;
+  int64_t batch_stride = 0;
+  int64_t row_stride = 0;
+  int64_t head_stride = 0;
+};
+
+struct AttnParams {
+  Tensor3 q, k, v, out;
+  float* lse = nullptr;  // optional in the forward; row (b, h) at lse + b * lse_batch_stride + h * lse_head_stride
+  int64_t lse_batch_stride = 0;
+  int64_t lse_head_stride = 0;
+
+  int batch = 0;
+  int nheads = 0;
+  int nheads_k = 0;
+  int headdim = 0;    // of q and k (the kernel's tile may be wider: extra columns are zero)
+  int headdim_v = 0;  // of v and out
+  int seqlen_q = 0;   // dense: every sequence; varlen: an upper bound
+  int seqlen_k = 0;
+
+  const int32_t* cu_seqlens_q = nullptr;  // varlen when non-null (then cu_seqlens_k is too)
+  const int32_t* cu_seqlens_k = nullptr;
+  const int32_t* seqused_k = nullptr;
+
+  float scale = 1.f;        // softmax scale (natural units)
+  float scale_log2 = 1.f;   // scale * log2(e)
+  float softcap = 0.f;      // 0 = off
+  int window_left = -1;     // -1 = unbounded; causal is window_right = 0
+  int window_right = -1;
+  const float* alibi_slopes = nullptr;
+  int64_t alibi_batch_stride = 0;
+};
+
+// Rows every sequence is padded by in the backward workspace (a multiple of every tile height).
+constexpr int kRowPad = 128;
+
+struct BwdParams : AttnParams {
+  Tensor3 dout, dq, dk, dv;
+
+  // Workspace (fp32), laid out by the host (backend.cu). Query rows of sequence b start at row
+  // q_row0(b) = varlen ? cu_seqlens_q[b] + b * kRowPad : b * seqlen_q_rounded (likewise for keys), so every
+  // sequence owns whole 128-row tiles; per head there are q_rows (k_rows) such rows.
+  //   dsum     (nheads, q_rows)                  rowsum(dout * out) of each query row
+  //   dq_accum (dq_splits, nheads, q_rows, headdim_rounded)
+  //   dk_accum, dv_accum (nheads, k_rows, headdim[_v]_rounded), GQA/MQA only: per-query-head gradients,
+  //            summed over each group in a fixed order afterwards.
+  float* dsum = nullptr;
+  float* dq_accum = nullptr;
+  float* dk_accum = nullptr;
+  float* dv_accum = nullptr;
+  int64_t q_rows = 0;
+  int64_t k_rows = 0;
+  int seqlen_q_rounded = 0;
+  int seqlen_k_rounded = 0;
+  int headdim_rounded = 0;   // the kernel's head-dim tile (q/k and v alike)
+  int dq_splits = 1;         // deterministic mode: CTAs that accumulate dq into separate buffers
+  bool deterministic = false;
+};
+
+}  // namespace flare::cuda

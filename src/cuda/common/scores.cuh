@@ -1,0 +1,100 @@
+// scores.cuh — shaping one tile of raw scores q·k in registers: scale, softcap, ALiBi and the causal /
+// sliding-window mask, with the same policy objects as the CPU backend (src/common/attention_policy.hpp).
+//
+// After shape_scores the tile holds "log2 logits": values x with P ∝ exp2(x). In the plain case (no softcap,
+// no ALiBi) the tile keeps the raw q·k and the softmax folds scale·log2(e) into its exp2 argument
+// (ScoreShape::log2_factor), which saves a multiply per element; otherwise the tile is rewritten as
+// log2(e) · (softcap·tanh(scale·s / softcap) + alibi) and log2_factor is 1.
+#pragma once
+
+#include <cmath>
+
+#include "common/attention_policy.hpp"
+#include "cuda/common/tile_utils.cuh"
+
+namespace flare::cuda {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+struct ScoreShape {
+  policy::WindowMask mask;
+  float scale = 1.f;
+  float softcap = 0.f;
+  float slope = 0.f;      // ALiBi slope of this (batch, head); 0 = none
+  bool transform = false;  // softcap or ALiBi: the tile is rewritten
+  float log2_factor = 1.f; // multiply the tile by this to get log2 logits
+
+  __device__ __forceinline__ ScoreShape(AttnParams const& p, int b, int h, int len_q, int len_k) {
+    mask = policy::WindowMask{len_q, len_k, p.window_left, p.window_right};
+    scale = p.scale;
+    softcap = p.softcap;
+    if (p.alibi_slopes != nullptr) slope = p.alibi_slopes[b * p.alibi_batch_stride + h];
+    transform = softcap > 0.f || slope != 0.f;
+    log2_factor = transform ? 1.f : p.scale_log2;
+  }
+
+  // Key tiles [n_first, n_last) hold every key that a query row of [m0, m1) sees.
+  __device__ __forceinline__ void key_tiles(int m0, int m1, int block_n, int& n_first, int& n_last) const {
+    const policy::KeyRange r = mask.keys_of_rows(m0, m1);
+    const int64_t first = r.first < 0 ? 0 : r.first;
+    const int64_t last = r.last;  // <= len_k - 1
+    if (last < first) {
+      n_first = n_last = 0;
+      return;
+    }
+    n_first = static_cast<int>(first / block_n);
+    n_last = static_cast<int>((last + block_n) / block_n);
+  }
+
+  // True when every (row, key) of the tile [m0, m0 + bm) x [n0, n0 + bn) is visible (rows past len_q
+  // count as visible: their results are discarded).
+  __device__ __forceinline__ bool tile_unmasked(int m0, int bm, int n0, int bn) const {
+    if (n0 + bn > mask.seqlen_k) return false;
+    const int64_t m_last = min<int64_t>(m0 + bm, mask.seqlen_q) - 1;
+    if (m_last < m0) return true;
+    const policy::KeyRange lo = mask.keys_of(m0);     // smallest last key
+    const policy::KeyRange hi = mask.keys_of(m_last); // largest first key
+    return hi.first <= n0 && lo.last >= n0 + bn - 1;
+  }
+};
+
+// Shapes the tile `s` (an accumulator in (rows, cols) view) whose element coordinates are `coord` (tile-local,
+// same view), with the tile's first row m0 and first key n0. `masked`: apply the window mask (boundary
+// tiles); otherwise only the transform. When dtanh is given (backward with softcap) it receives
+// d(softcap·tanh(u/softcap))/du = 1 - tanh² per element.
+template <class S, class C, class DT = std::nullptr_t>
+__device__ __forceinline__ void shape_scores(S& s, C const& coord, int m0, int n0, ScoreShape const& sh,
+                                             bool masked, DT* dtanh = nullptr) {
+  constexpr int kRows = decltype(size<0>(s))::value;
+  constexpr int kCols = decltype(size<1>(s))::value;
+  if (!sh.transform && !masked) return;
+  CUTE_UNROLL
+  for (int mi = 0; mi < kRows; ++mi) {
+    const int i = m0 + get<0>(coord(mi, 0));
+    // Lengths are int32 (validated), so the row's key range and diagonal fit in int once clamped.
+    const policy::KeyRange keys = sh.mask.keys_of(i);
+    const int first = static_cast<int>(max<int64_t>(keys.first, -1));
+    const int last = static_cast<int>(min<int64_t>(keys.last, INT32_MAX));
+    const int diag = static_cast<int>(sh.mask.diagonal(i));
+    CUTE_UNROLL
+    for (int ni = 0; ni < kCols; ++ni) {
+      const int j = n0 + get<1>(coord(mi, ni));
+      float x = s(mi, ni);
+      if (sh.transform) {
+        x *= sh.scale;
+        if (sh.softcap > 0.f) {
+          const float t = tanhf(x / sh.softcap);
+          x = sh.softcap * t;
+          if constexpr (!std::is_same_v<DT, std::nullptr_t>) (*dtanh)(mi, ni) = 1.f - t * t;
+        }
+        if (sh.slope != 0.f) x += policy::alibi_bias(sh.slope, diag, j);
+        x *= kLog2e;
+      }
+      if (masked && (j < first || j > last)) x = -INFINITY;
+      s(mi, ni) = x;
+    }
+  }
+}
+
+}  // namespace flare::cuda

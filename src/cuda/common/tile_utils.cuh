@@ -1,0 +1,165 @@
+// tile_utils.cuh — CuTe building blocks shared by the sm80 kernels: register-layout views of mma
+// accumulators, type conversion, predicated global<->shared copies, shared->register pipelined GEMMs,
+// quad reductions, and the per-sequence bounds of one CTA.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+
+#include "cuda/common/params.hpp"
+
+namespace flare::cuda {
+
+using namespace cute;
+
+// ---- accumulator layouts -------------------------------------------------------------------------------
+// An SM80 m16n8 accumulator fragment has layout ((2, 2), MMA_M, MMA_N): per thread, values (col, col + 1)
+// of row r and of row r + 8. As a (rows, cols) matrix that is ((2, MMA_M), (2, MMA_N)).
+template <class L>
+__device__ __forceinline__ constexpr auto rowcol_layout(L const& acc) {
+  static_assert(rank(L{}) == 3, "expects an mma accumulator layout ((2,2),M,N)");
+  return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)), make_layout(get<0, 0>(acc), get<2>(acc)));
+}
+
+template <class T>
+__device__ __forceinline__ auto rowcol(T&& t) {
+  return make_tensor(t.data(), rowcol_layout(t.layout()));
+}
+
+// The accumulator of an m16n8k16 product reused as the A operand of the next one: two neighbouring n8
+// tiles form one k16 slice, ((2,2), M, N) -> ((2,2,2), M, N/2).
+template <class L>
+__device__ __forceinline__ constexpr auto acc_as_a_layout(L const& acc) {
+  static_assert(decltype(size<2>(acc))::value % 2 == 0, "the n extent must be even");
+  auto n = logical_divide(get<2>(acc), Layout<_2>{});
+  return make_layout(make_layout(get<0>(acc), get<0>(n)), get<1>(acc), get<1>(n));
+}
+
+// Elementwise conversion of a register fragment (e.g. fp32 accumulators to half/bf16 operands).
+template <class To, class Engine, class Layout>
+__device__ __forceinline__ auto convert_fragment(Tensor<Engine, Layout> const& src) {
+  using From = typename Engine::value_type;
+  constexpr int N = decltype(size(src))::value;
+  auto dst = make_tensor<To>(src.layout());
+  cutlass::NumericArrayConverter<To, From, N> conv;
+  *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
+      conv(*reinterpret_cast<const cutlass::Array<From, N>*>(src.data()));
+  return dst;
+}
+
+// ---- predicated copies -----------------------------------------------------------------------------------
+// Copies a partitioned tile (CPY, M, K) where the coordinates (from an identity tensor partitioned the same
+// way) say the row is < rows and the column < cols; other vectors of the destination are zeroed (clear)
+// or left alone. Head dims are multiples of 8, so a 16-byte vector is wholly in or out.
+template <bool kClear = true, class TiledCopy, class S, class D, class C>
+__device__ __forceinline__ void copy_rows(TiledCopy const& tiled_copy, S const& src, D&& dst, C const& coord,
+                                          int rows, int cols) {
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(src); ++m) {
+    const bool row_ok = get<0>(coord(0, m, 0)) < rows;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(src); ++k) {
+      if (row_ok && get<1>(coord(0, m, k)) < cols) {
+        copy(tiled_copy, src(_, m, k), dst(_, m, k));
+      } else if constexpr (kClear) {
+        clear(dst(_, m, k));
+      }
+    }
+  }
+}
+
+// ---- shared -> register GEMMs ----------------------------------------------------------------------------
+// acc += A * B^T with both operands in shared memory, loading the k-slice k+1 into registers while the
+// tensor cores work on slice k.
+template <class Acc, class RA, class RB, class SA, class SB, class Mma, class CopyA, class CopyB, class ThrA,
+          class ThrB>
+__device__ __forceinline__ void gemm_ss(Acc& acc, RA& rA, RB& rB, SA const& sA, SB const& sB, Mma const& mma,
+                                        CopyA const& copy_a, CopyB const& copy_b, ThrA const& thr_a,
+                                        ThrB const& thr_b) {
+  auto rA_view = thr_a.retile_D(rA);
+  auto rB_view = thr_b.retile_D(rB);
+  copy(copy_a, sA(_, _, _0{}), rA_view(_, _, _0{}));
+  copy(copy_b, sB(_, _, _0{}), rB_view(_, _, _0{}));
+  constexpr int K = decltype(size<2>(rA))::value;
+  CUTE_UNROLL
+  for (int k = 0; k < K; ++k) {
+    if (k + 1 < K) {
+      copy(copy_a, sA(_, _, k + 1), rA_view(_, _, k + 1));
+      copy(copy_b, sB(_, _, k + 1), rB_view(_, _, k + 1));
+    }
+    gemm(mma, rA(_, _, k), rB(_, _, k), acc);
+  }
+}
+
+// acc += A * B^T with A already in registers (e.g. the probabilities P) and B in shared memory.
+template <class Acc, class RA, class RB, class SB, class Mma, class CopyB, class ThrB>
+__device__ __forceinline__ void gemm_rs(Acc& acc, RA const& rA, RB& rB, SB const& sB, Mma const& mma,
+                                        CopyB const& copy_b, ThrB const& thr_b) {
+  auto rB_view = thr_b.retile_D(rB);
+  copy(copy_b, sB(_, _, _0{}), rB_view(_, _, _0{}));
+  constexpr int K = decltype(size<2>(rA))::value;
+  CUTE_UNROLL
+  for (int k = 0; k < K; ++k) {
+    if (k + 1 < K) copy(copy_b, sB(_, _, k + 1), rB_view(_, _, k + 1));
+    gemm(mma, rA(_, _, k), rB(_, _, k), acc);
+  }
+}
+
+// ---- reductions over the four threads that share an accumulator row -------------------------------------
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+// ---- one CTA's sequence ----------------------------------------------------------------------------------
+// Where sequence b starts in q (k) and how long it is; the lse row and workspace row offsets.
+struct Sequence {
+  int64_t q_token0;  // first token of the sequence in the varlen token dimension (0 when dense)
+  int64_t k_token0;
+  int len_q;
+  int len_k;
+
+  __device__ __forceinline__ Sequence(AttnParams const& p, int b) {
+    if (p.cu_seqlens_q != nullptr) {
+      q_token0 = p.cu_seqlens_q[b];
+      k_token0 = p.cu_seqlens_k[b];
+      len_q = p.cu_seqlens_q[b + 1] - static_cast<int>(q_token0);
+      len_k = p.cu_seqlens_k[b + 1] - static_cast<int>(k_token0);
+    } else {
+      q_token0 = 0;
+      k_token0 = 0;
+      len_q = p.seqlen_q;
+      len_k = p.seqlen_k;
+    }
+    if (p.seqused_k != nullptr) len_k = min(len_k, p.seqused_k[b]);
+  }
+
+  // Element offset of (b, token 0, head h) in an operand.
+  __device__ __forceinline__ int64_t q_offset(Tensor3 const& t, int b, int h) const {
+    return b * t.batch_stride + q_token0 * t.row_stride + h * t.head_stride;
+  }
+  __device__ __forceinline__ int64_t k_offset(Tensor3 const& t, int b, int h) const {
+    return b * t.batch_stride + k_token0 * t.row_stride + h * t.head_stride;
+  }
+  __device__ __forceinline__ int64_t lse_offset(AttnParams const& p, int b, int h) const {
+    return b * p.lse_batch_stride + h * p.lse_head_stride + q_token0;
+  }
+  // First workspace row of this sequence (see BwdParams).
+  __device__ __forceinline__ int64_t q_row0(BwdParams const& p, int b) const {
+    return p.cu_seqlens_q != nullptr ? q_token0 + int64_t{b} * kRowPad : int64_t{b} * p.seqlen_q_rounded;
+  }
+  __device__ __forceinline__ int64_t k_row0(BwdParams const& p, int b) const {
+    return p.cu_seqlens_q != nullptr ? k_token0 + int64_t{b} * kRowPad : int64_t{b} * p.seqlen_k_rounded;
+  }
+};
+
+}  // namespace flare::cuda

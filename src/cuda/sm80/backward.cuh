@@ -1,0 +1,433 @@
+// backward.cuh — the sm80 backward (FlashAttention-2 scheme). Three kernels per call:
+//   1. dsum_kernel:     D_i = rowsum(dout_i * out_i), one fp32 per query row;
+//   2. backward_kernel: one CTA per (key tile, head, batch) keeps its K and V tiles in shared memory and walks
+//                       the query tiles that see them, recomputing P = exp(s - lse) and accumulating dK and dV
+//                       in registers; dQ partial products go to an fp32 buffer with atomicAdd;
+//   3. dq_kernel (+ dkv_reduce_kernel for GQA/MQA): fp32 buffers -> the caller's dq (dk, dv) with the scale.
+// Deterministic mode: each CTA walks several key tiles in a fixed order and owns one of `dq_splits` dq
+// buffers, so every dq element receives its additions in the same order; the buffers are summed in order.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/common/scores.cuh"
+#include "cuda/sm80/forward.cuh"
+#include "cuda/sm80/traits.cuh"
+
+namespace flare::cuda::sm80 {
+
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kAtomMSdP, int kAtomNdKV,
+          int kAtomMdQ>
+struct BwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kThreads = kWarps * 32;
+
+  template <int kAtomM>
+  using Mma = TiledMMA<MmaAtom<Element>, Layout<Shape<Int<kAtomM>, Int<kWarps / kAtomM>, _1>>,
+                       Tile<Int<16 * kAtomM>, Int<16 * (kWarps / kAtomM)>, _16>>;
+  using MmaSdP = Mma<kAtomMSdP>;  // S = Q K^T and dP = dO V^T:      (kBlockM x kBlockN)
+  using MmadKV = Mma<kAtomNdKV>;  // dV += P^T dO and dK += dS^T Q:  (kBlockN x kHeadDim)
+  using MmadQ = Mma<kAtomMdQ>;    // dQ = dS K:                       (kBlockM x kHeadDim)
+
+  using SmemD = SmemRowTile<Element, kHeadDim>;
+  using SmemLayoutQ = typename SmemD::template Layout<kBlockM>;
+  using SmemLayoutKV = typename SmemD::template Layout<kBlockN>;
+  using SmemLayoutQt =
+      decltype(composition(SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>>{}, GenRowMajor{})));
+  using SmemLayoutKt =
+      decltype(composition(SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+  using SmemN = SmemRowTile<Element, kBlockN>;
+  using SmemLayoutP = typename SmemN::template Layout<kBlockM>;
+  using SmemLayoutPt =
+      decltype(composition(SmemLayoutP{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, GenRowMajor{})));
+
+  using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
+  using SmemCopyAtomT = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
+  using SmemCopyAtomP = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
+  using SmemCopyAtomO = Copy_Atom<DefaultCopy, Element>;
+
+  using GmemLoad = typename GmemCopy<Element, SmemD::kChunk, kThreads, true>::Tiled;
+  using GmemStore = typename GmemCopy<Element, SmemD::kChunk, kThreads, false>::Tiled;
+
+  static constexpr int kQBytes = int(sizeof(Element)) * cosize(SmemLayoutQ{});
+  static constexpr int kKVBytes = int(sizeof(Element)) * cosize(SmemLayoutKV{});
+  static constexpr int kPBytes = int(sizeof(Element)) * cosize(SmemLayoutP{});
+  // Q and dO double-buffered, K, V, P, dS.
+  static constexpr int kSmemBytes = 4 * kQBytes + 2 * kKVBytes + 2 * kPBytes;
+};
+
+// ---- 1. D = rowsum(dout * out) ----------------------------------------------------------------------------
+constexpr int kRowsPerCta = 64;
+
+template <class Element>
+__global__ void __launch_bounds__(256) dsum_kernel(const __grid_constant__ BwdParams p) {
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const Sequence seq(p, b);
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const Element* out = static_cast<const Element*>(p.out.ptr) + seq.q_offset(p.out, b, h);
+  const Element* dout = static_cast<const Element*>(p.dout.ptr) + seq.q_offset(p.dout, b, h);
+  float* dsum = p.dsum + h * p.q_rows + seq.q_row0(p, b);
+  for (int i = blockIdx.x * kRowsPerCta + warp; i < min(seq.len_q, (blockIdx.x + 1) * kRowsPerCta); i += 8) {
+    float acc = 0.f;
+    for (int c = lane; c < p.headdim_v; c += 32) {
+      acc += static_cast<float>(out[i * p.out.row_stride + c]) * static_cast<float>(dout[i * p.dout.row_stride + c]);
+    }
+    CUTE_UNROLL
+    for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffff, acc, o);
+    if (lane == 0) dsum[i] = acc;
+  }
+}
+
+// ---- 2. the main kernel -------------------------------------------------------------------------------------
+template <class T>
+__global__ void __launch_bounds__(T::kThreads) backward_kernel(const __grid_constant__ BwdParams p) {
+  using Element = typename T::Element;
+  constexpr int kBlockM = T::kBlockM;
+  constexpr int kBlockN = T::kBlockN;
+  constexpr int kHeadDim = T::kHeadDim;
+
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const int tid = threadIdx.x;
+  const Sequence seq(p, b);
+  const int n_blocks = (seq.len_k + kBlockN - 1) / kBlockN;
+  if (static_cast<int>(blockIdx.x) >= n_blocks) return;
+  const int group = p.nheads / p.nheads_k;
+  const int hk = h / group;
+  const ScoreShape shape(p, b, h, seq.len_q, seq.len_k);
+  const float f = shape.log2_factor;
+  const int64_t q_row0 = seq.q_row0(p, b);
+  const int64_t k_row0 = seq.k_row0(p, b);
+  const float* lse = p.lse + seq.lse_offset(p, b, h);
+  const float* dsum = p.dsum + h * p.q_rows + q_row0;
+  float* dq_accum = p.dq_accum +
+                    ((static_cast<int64_t>(p.deterministic ? blockIdx.x : 0) * p.nheads + h) * p.q_rows + q_row0) *
+                        kHeadDim;
+
+  auto gmem = [&](Tensor3 const& t, int64_t offset, int rows) {
+    return make_tensor(make_gmem_ptr(static_cast<Element*>(t.ptr) + offset), make_shape(rows, Int<kHeadDim>{}),
+                       make_stride(t.row_stride, _1{}));
+  };
+  using TileM = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  using TileN = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  Tensor gQ = local_tile(gmem(p.q, seq.q_offset(p.q, b, h), seq.len_q), TileM{}, make_coord(_, 0));
+  Tensor gdO = local_tile(gmem(p.dout, seq.q_offset(p.dout, b, h), seq.len_q), TileM{}, make_coord(_, 0));
+  Tensor gK = local_tile(gmem(p.k, seq.k_offset(p.k, b, hk), seq.len_k), TileN{}, make_coord(_, 0));
+  Tensor gV = local_tile(gmem(p.v, seq.k_offset(p.v, b, hk), seq.len_k), TileN{}, make_coord(_, 0));
+
+  extern __shared__ char smem[];
+  Element* base = reinterpret_cast<Element*>(smem);
+  constexpr int kQ = cosize(typename T::SmemLayoutQ{});
+  constexpr int kKV = cosize(typename T::SmemLayoutKV{});
+  constexpr int kP = cosize(typename T::SmemLayoutP{});
+  // [Q0 Q1 dO0 dO1 K V P dS]
+  auto sQ_at = [&](int buf) { return make_tensor(make_smem_ptr(base + buf * kQ), typename T::SmemLayoutQ{}); };
+  auto sQt_at = [&](int buf) { return make_tensor(make_smem_ptr(base + buf * kQ), typename T::SmemLayoutQt{}); };
+  auto sdO_at = [&](int buf) {
+    return make_tensor(make_smem_ptr(base + (2 + buf) * kQ), typename T::SmemLayoutQ{});
+  };
+  auto sdOt_at = [&](int buf) {
+    return make_tensor(make_smem_ptr(base + (2 + buf) * kQ), typename T::SmemLayoutQt{});
+  };
+  Element* k_base = base + 4 * kQ;
+  Tensor sK = make_tensor(make_smem_ptr(k_base), typename T::SmemLayoutKV{});
+  Tensor sKt = make_tensor(make_smem_ptr(k_base), typename T::SmemLayoutKt{});
+  Tensor sV = make_tensor(make_smem_ptr(k_base + kKV), typename T::SmemLayoutKV{});
+  Tensor sP = make_tensor(make_smem_ptr(k_base + 2 * kKV), typename T::SmemLayoutP{});
+  Tensor sPt = make_tensor(make_smem_ptr(k_base + 2 * kKV), typename T::SmemLayoutPt{});
+  Tensor sdS = make_tensor(make_smem_ptr(k_base + 2 * kKV + kP), typename T::SmemLayoutP{});
+  Tensor sdSt = make_tensor(make_smem_ptr(k_base + 2 * kKV + kP), typename T::SmemLayoutPt{});
+
+  typename T::GmemLoad gload;
+  auto gthr = gload.get_thread_slice(tid);
+  Tensor tQcQ = gthr.partition_S(make_identity_tensor(TileM{}));
+  Tensor tKcK = gthr.partition_S(make_identity_tensor(TileN{}));
+
+  auto shape_only = [](auto shape) {
+    return make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)), make_layout(shape, GenRowMajor{}));
+  };
+  typename T::MmaSdP mma_sdp;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  typename T::MmadKV mma_dkv;
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  typename T::MmadQ mma_dq;
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+
+  // Register fragments of every operand.
+  Tensor rQ = thr_sdp.partition_fragment_A(shape_only(TileM{}));
+  Tensor rK = thr_sdp.partition_fragment_B(shape_only(TileN{}));
+  Tensor rdO = thr_sdp.partition_fragment_A(shape_only(TileM{}));
+  Tensor rV = thr_sdp.partition_fragment_B(shape_only(TileN{}));
+  Tensor rPt = thr_dkv.partition_fragment_A(shape_only(Shape<Int<kBlockN>, Int<kBlockM>>{}));
+  Tensor rdOt = thr_dkv.partition_fragment_B(shape_only(Shape<Int<kHeadDim>, Int<kBlockM>>{}));
+  Tensor rdSt = thr_dkv.partition_fragment_A(shape_only(Shape<Int<kBlockN>, Int<kBlockM>>{}));
+  Tensor rQt = thr_dkv.partition_fragment_B(shape_only(Shape<Int<kHeadDim>, Int<kBlockM>>{}));
+  Tensor rdS = thr_dq.partition_fragment_A(shape_only(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor rKt = thr_dq.partition_fragment_B(shape_only(Shape<Int<kHeadDim>, Int<kBlockN>>{}));
+
+  // Shared -> register copies.
+  auto copy_a_sdp = make_tiled_copy_A(typename T::SmemCopyAtom{}, mma_sdp);
+  auto thr_a_sdp = copy_a_sdp.get_thread_slice(tid);
+  auto copy_b_sdp = make_tiled_copy_B(typename T::SmemCopyAtom{}, mma_sdp);
+  auto thr_b_sdp = copy_b_sdp.get_thread_slice(tid);
+  auto copy_a_dkv = make_tiled_copy_A(typename T::SmemCopyAtomT{}, mma_dkv);
+  auto thr_a_dkv = copy_a_dkv.get_thread_slice(tid);
+  auto copy_b_dkv = make_tiled_copy_B(typename T::SmemCopyAtomT{}, mma_dkv);
+  auto thr_b_dkv = copy_b_dkv.get_thread_slice(tid);
+  auto copy_a_dq = make_tiled_copy_A(typename T::SmemCopyAtom{}, mma_dq);
+  auto thr_a_dq = copy_a_dq.get_thread_slice(tid);
+  auto copy_b_dq = make_tiled_copy_B(typename T::SmemCopyAtomT{}, mma_dq);
+  auto thr_b_dq = copy_b_dq.get_thread_slice(tid);
+  auto copy_p = make_tiled_copy_C(typename T::SmemCopyAtomP{}, mma_sdp);
+  auto thr_p = copy_p.get_thread_slice(tid);
+
+  Tensor tSsK = thr_b_sdp.partition_S(sK);
+  Tensor tSsV = thr_b_sdp.partition_S(sV);
+  Tensor tPsPt = thr_a_dkv.partition_S(sPt);
+  Tensor tdSsdSt = thr_a_dkv.partition_S(sdSt);
+  Tensor tdQsdS = thr_a_dq.partition_S(sdS);
+  Tensor tdQsKt = thr_b_dq.partition_S(sKt);
+  Tensor tPsP = thr_p.partition_D(sP);
+  Tensor tPsdS = thr_p.partition_D(sdS);
+
+  Tensor coord_s = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor coord_rc = make_tensor(coord_s.data(), rowcol_layout(coord_s.layout()));
+  Tensor coord_dq = thr_dq.partition_C(make_identity_tensor(TileM{}));
+  constexpr int kRows = decltype(size<0>(coord_rc))::value;
+
+  for (int n_block = blockIdx.x; n_block < n_blocks; n_block += gridDim.x) {
+    const int n0 = n_block * kBlockN;
+    const int k_rows = seq.len_k - n0;
+    // The query tiles whose rows see any key of this tile.
+    const policy::KeyRange qs = shape.mask.queries_of_keys(n0, min(n0 + kBlockN, seq.len_k));
+    const int64_t q_first = max<int64_t>(qs.first, 0);
+    const int64_t q_last = min<int64_t>(qs.last, seq.len_q - 1);
+    const int m_first = q_last >= q_first ? static_cast<int>(q_first / kBlockM) : 0;
+    const int m_last = q_last >= q_first ? static_cast<int>(q_last / kBlockM) + 1 : 0;
+
+    Tensor acc_dk = partition_fragment_C(mma_dkv, TileN{});
+    Tensor acc_dv = partition_fragment_C(mma_dkv, TileN{});
+    clear(acc_dk);
+    clear(acc_dv);
+
+    __syncthreads();  // the previous key tile (deterministic mode) is done with shared memory
+    copy_rows(gload, gthr.partition_S(gK(_, _, n_block)), gthr.partition_D(sK), tKcK, k_rows, p.headdim);
+    copy_rows(gload, gthr.partition_S(gV(_, _, n_block)), gthr.partition_D(sV), tKcK, k_rows, p.headdim_v);
+    if (m_last > m_first) {
+      const int q_rows = seq.len_q - m_first * kBlockM;
+      copy_rows(gload, gthr.partition_S(gQ(_, _, m_first)), gthr.partition_D(sQ_at(0)), tQcQ, q_rows, p.headdim);
+      copy_rows(gload, gthr.partition_S(gdO(_, _, m_first)), gthr.partition_D(sdO_at(0)), tQcQ, q_rows,
+                p.headdim_v);
+    }
+    cp_async_fence();
+
+    for (int m = m_first; m < m_last; ++m) {
+      const int buf = (m - m_first) & 1;
+      const int m0 = m * kBlockM;
+      cp_async_wait<0>();
+      __syncthreads();  // Q[m], dO[m] have landed; the other buffers, sP and sdS are free
+      if (m + 1 < m_last) {
+        const int q_rows = seq.len_q - (m + 1) * kBlockM;
+        copy_rows(gload, gthr.partition_S(gQ(_, _, m + 1)), gthr.partition_D(sQ_at(buf ^ 1)), tQcQ, q_rows,
+                  p.headdim);
+        copy_rows(gload, gthr.partition_S(gdO(_, _, m + 1)), gthr.partition_D(sdO_at(buf ^ 1)), tQcQ, q_rows,
+                  p.headdim_v);
+      }
+      cp_async_fence();
+
+      // Per-row lse (log2 units; +inf makes P = 0 for fully masked rows and rows past the end) and D.
+      float lse2[kRows];
+      float dd[kRows];
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        const int i = m0 + get<0>(coord_rc(r, 0));
+        const float l = i < seq.len_q ? lse[i] : -INFINITY;
+        lse2[r] = l == -INFINITY ? INFINITY : l * kLog2e;
+        dd[r] = i < seq.len_q ? dsum[i] : 0.f;
+      }
+
+      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_s);
+      gemm_ss(acc_s, rQ, rK, thr_a_sdp.partition_S(sQ_at(buf)), tSsK, mma_sdp, copy_a_sdp, copy_b_sdp, thr_a_sdp,
+              thr_b_sdp);
+      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_dp);
+      gemm_ss(acc_dp, rdO, rV, thr_a_sdp.partition_S(sdO_at(buf)), tSsV, mma_sdp, copy_a_sdp, copy_b_sdp,
+              thr_a_sdp, thr_b_sdp);
+
+      Tensor s = rowcol(acc_s);
+      Tensor dp = rowcol(acc_dp);
+      const bool masked = !shape.tile_unmasked(m0, kBlockM, n0, kBlockN);
+      if (shape.softcap > 0.f) {
+        Tensor dtanh = make_tensor<float>(s.layout());
+        shape_scores(s, coord_rc, m0, n0, shape, masked, &dtanh);
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(s); ++c) {
+            const float pr = fast_exp2(fmaf(s(r, c), f, -lse2[r]));
+            s(r, c) = pr;
+            dp(r, c) = pr * (dp(r, c) - dd[r]) * dtanh(r, c);
+          }
+        }
+      } else {
+        shape_scores(s, coord_rc, m0, n0, shape, masked);
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(s); ++c) {
+            const float pr = fast_exp2(fmaf(s(r, c), f, -lse2[r]));
+            s(r, c) = pr;
+            dp(r, c) = pr * (dp(r, c) - dd[r]);
+          }
+        }
+      }
+      // P and dS to shared memory: the dK/dV products read them transposed, the dQ product as they are.
+      Tensor p_elem = convert_fragment<Element>(acc_s);
+      copy(copy_p, thr_p.retile_S(p_elem), tPsP);
+      Tensor ds_elem = convert_fragment<Element>(acc_dp);
+      copy(copy_p, thr_p.retile_S(ds_elem), tPsdS);
+      __syncthreads();
+
+      gemm_ss(acc_dv, rPt, rdOt, tPsPt, thr_b_dkv.partition_S(sdOt_at(buf)), mma_dkv, copy_a_dkv, copy_b_dkv,
+              thr_a_dkv, thr_b_dkv);
+      gemm_ss(acc_dk, rdSt, rQt, tdSsdSt, thr_b_dkv.partition_S(sQt_at(buf)), mma_dkv, copy_a_dkv, copy_b_dkv,
+              thr_a_dkv, thr_b_dkv);
+
+      Tensor acc_dq = partition_fragment_C(mma_dq, TileM{});
+      clear(acc_dq);
+      gemm_ss(acc_dq, rdS, rKt, tdQsdS, tdQsKt, mma_dq, copy_a_dq, copy_b_dq, thr_a_dq, thr_b_dq);
+      float* dq_tile = dq_accum + static_cast<int64_t>(m0) * kHeadDim;
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_dq); ++i) {
+        atomicAdd(dq_tile + get<0>(coord_dq(i)) * kHeadDim + get<1>(coord_dq(i)), acc_dq(i));
+      }
+    }
+
+    // dK (scaled) and dV: straight to the caller's tensors (MHA) or to per-query-head fp32 buffers (GQA).
+    Tensor coord_kv = thr_dkv.partition_C(make_identity_tensor(TileN{}));
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.scale;
+    if (group == 1) {
+      __syncthreads();  // shared memory is reused for the output tiles
+      Tensor sdK = make_tensor(make_smem_ptr(k_base), typename T::SmemLayoutKV{});
+      Tensor sdV = make_tensor(make_smem_ptr(k_base + kKV), typename T::SmemLayoutKV{});
+      auto copy_o = make_tiled_copy_C(typename T::SmemCopyAtomO{}, mma_dkv);
+      auto thr_o = copy_o.get_thread_slice(tid);
+      Tensor dk_elem = convert_fragment<Element>(acc_dk);
+      Tensor dv_elem = convert_fragment<Element>(acc_dv);
+      copy(copy_o, thr_o.retile_S(dk_elem), thr_o.partition_D(sdK));
+      copy(copy_o, thr_o.retile_S(dv_elem), thr_o.partition_D(sdV));
+      __syncthreads();
+      typename T::GmemStore gstore;
+      auto sthr = gstore.get_thread_slice(tid);
+      Tensor gdK = local_tile(gmem(p.dk, seq.k_offset(p.dk, b, h), seq.len_k), TileN{}, make_coord(n_block, 0));
+      Tensor gdV = local_tile(gmem(p.dv, seq.k_offset(p.dv, b, h), seq.len_k), TileN{}, make_coord(n_block, 0));
+      copy_rows<false>(gstore, sthr.partition_S(sdK), sthr.partition_D(gdK), tKcK, k_rows, p.headdim);
+      copy_rows<false>(gstore, sthr.partition_S(sdV), sthr.partition_D(gdV), tKcK, k_rows, p.headdim_v);
+    } else {
+      const int64_t row0 = h * p.k_rows + k_row0 + n0;
+      float* dk = p.dk_accum + row0 * kHeadDim;
+      float* dv = p.dv_accum + row0 * kHeadDim;
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_dk); ++i) {
+        const int64_t at = get<0>(coord_kv(i)) * kHeadDim + get<1>(coord_kv(i));
+        dk[at] = acc_dk(i);
+        dv[at] = acc_dv(i);
+      }
+    }
+  }
+}
+
+// ---- 3. fp32 buffers -> the caller's gradients ----------------------------------------------------------------
+// dq = scale * (sum of the dq_splits buffers, in order).
+template <class Element, int kHeadDim>
+__global__ void __launch_bounds__(256) dq_kernel(const __grid_constant__ BwdParams p) {
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const Sequence seq(p, b);
+  const int64_t row0 = seq.q_row0(p, b);
+  Element* dq = static_cast<Element*>(p.dq.ptr) + seq.q_offset(p.dq, b, h);
+  const int64_t split_stride = static_cast<int64_t>(p.nheads) * p.q_rows * kHeadDim;
+  const int i_end = min(seq.len_q, (blockIdx.x + 1) * kRowsPerCta);
+  for (int idx = threadIdx.x; idx < kRowsPerCta * p.headdim; idx += blockDim.x) {
+    const int i = blockIdx.x * kRowsPerCta + idx / p.headdim;
+    const int c = idx % p.headdim;
+    if (i >= i_end) break;
+    const float* src = p.dq_accum + (h * p.q_rows + row0 + i) * kHeadDim + c;
+    float acc = 0.f;
+    for (int s = 0; s < p.dq_splits; ++s) acc += src[s * split_stride];
+    dq[i * p.dq.row_stride + c] = static_cast<Element>(acc * p.scale);
+  }
+}
+
+// GQA/MQA: dk and dv of kv head hk = the sum over its query heads, in head order.
+template <class Element, int kHeadDim>
+__global__ void __launch_bounds__(256) dkv_reduce_kernel(const __grid_constant__ BwdParams p) {
+  const int hk = blockIdx.y;
+  const int b = blockIdx.z;
+  const Sequence seq(p, b);
+  const int group = p.nheads / p.nheads_k;
+  const int64_t row0 = seq.k_row0(p, b);
+  Element* dk = static_cast<Element*>(p.dk.ptr) + seq.k_offset(p.dk, b, hk);
+  Element* dv = static_cast<Element*>(p.dv.ptr) + seq.k_offset(p.dv, b, hk);
+  const int width = max(p.headdim, p.headdim_v);
+  const int j_end = min(seq.len_k, (blockIdx.x + 1) * kRowsPerCta);
+  for (int idx = threadIdx.x; idx < kRowsPerCta * width; idx += blockDim.x) {
+    const int j = blockIdx.x * kRowsPerCta + idx / width;
+    const int c = idx % width;
+    if (j >= j_end) break;
+    float sk = 0.f, sv = 0.f;
+    for (int g = 0; g < group; ++g) {
+      const int64_t at = ((hk * group + g) * p.k_rows + row0 + j) * kHeadDim + c;
+      sk += p.dk_accum[at];
+      sv += p.dv_accum[at];
+    }
+    if (c < p.headdim) dk[j * p.dk.row_stride + c] = static_cast<Element>(sk);
+    if (c < p.headdim_v) dv[j * p.dv.row_stride + c] = static_cast<Element>(sv);
+  }
+}
+
+// Runs the whole backward for one traits type on `stream`; the workspace in p is laid out and dq_accum is
+// zeroed by the caller (backend.cu).
+template <class T>
+cudaError_t launch_backward(BwdParams const& p, cudaStream_t stream) {
+  using Element = typename T::Element;
+  const dim3 rows_grid((p.seqlen_q + kRowsPerCta - 1) / kRowsPerCta, p.nheads, p.batch);
+  const int n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
+  if (rows_grid.x > 0) {
+    dsum_kernel<Element><<<rows_grid, 256, 0, stream>>>(p);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+
+  const auto kernel = backward_kernel<T>;
+  constexpr int kSmem = T::kSmemBytes;
+  if constexpr (kSmem > 48 * 1024) {
+    if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+        e != cudaSuccess) {
+      return e;
+    }
+  }
+  if (n_blocks > 0) {
+    const dim3 grid(p.deterministic ? p.dq_splits : n_blocks, p.nheads, p.batch);
+    kernel<<<grid, T::kThreads, kSmem, stream>>>(p);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  if (rows_grid.x > 0) {
+    dq_kernel<Element, T::kHeadDim><<<rows_grid, 256, 0, stream>>>(p);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  if (p.nheads != p.nheads_k && n_blocks > 0) {
+    const dim3 kv_grid((p.seqlen_k + kRowsPerCta - 1) / kRowsPerCta, p.nheads_k, p.batch);
+    dkv_reduce_kernel<Element, T::kHeadDim><<<kv_grid, 256, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace flare::cuda::sm80

@@ -1,0 +1,32 @@
+// entry.hpp — the sm80 kernels as the host dispatcher (src/cuda/backend.cu) sees them: one function per
+// (pass, dtype, head-dim tile), each defined in its own generated translation unit under
+// src/cuda/instantiations/. No CuTe here, so the dispatcher compiles quickly.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/common/params.hpp"
+#include "flare/flare.h"
+
+namespace flare::cuda::sm80 {
+
+// Head-dim tiles a build may contain (CMake's FLARE_HEADDIMS picks a subset).
+constexpr int kHeadDimTiles[] = {32, 64, 96, 128, 160, 192, 224, 256};
+
+template <flare_dtype kDtype, int kHeadDim>
+cudaError_t run_forward(AttnParams const& p, cudaStream_t stream);
+
+template <flare_dtype kDtype, int kHeadDim>
+cudaError_t run_backward(BwdParams const& p, cudaStream_t stream);
+
+// Shared memory (bytes) each kernel needs, for the device-capacity check; defined with the kernels.
+template <flare_dtype kDtype, int kHeadDim>
+int forward_smem_bytes();
+template <flare_dtype kDtype, int kHeadDim>
+int backward_smem_bytes();
+
+// Key-tile height of the backward kernel (the grid and the deterministic dq split count depend on it).
+template <flare_dtype kDtype, int kHeadDim>
+int backward_block_n();
+
+}  // namespace flare::cuda::sm80

@@ -1,0 +1,206 @@
+// forward.cuh — the sm80 forward kernel (FlashAttention-2 scheme): one CTA per (query tile, head, batch);
+// Q stays in shared memory, K and V tiles stream through it with cp.async while the tensor cores work;
+// scores, the online softmax and the output accumulator live in registers. Key tiles are walked from the
+// last to the first, so the boundary tiles of a causal mask come first and the rest run unmasked.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/common/scores.cuh"
+#include "cuda/sm80/traits.cuh"
+
+namespace flare::cuda::sm80 {
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <class T>
+__global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_constant__ AttnParams p) {
+  using Element = typename T::Element;
+  constexpr int kBlockM = T::kBlockM;
+  constexpr int kBlockN = T::kBlockN;
+  constexpr int kHeadDim = T::kHeadDim;
+
+  // Heavy (late, for causal) query tiles first.
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const int tid = threadIdx.x;
+  const Sequence seq(p, b);
+  const int m0 = m_block * kBlockM;
+  if (m0 >= seq.len_q) return;
+  const int hk = h / (p.nheads / p.nheads_k);
+  const ScoreShape shape(p, b, h, seq.len_q, seq.len_k);
+  int n_first, n_last;
+  shape.key_tiles(m0, min(m0 + kBlockM, seq.len_q), kBlockN, n_first, n_last);
+
+  // ---- global and shared views
+  auto gmem = [&](Tensor3 const& t, int64_t offset, int rows) {
+    return make_tensor(make_gmem_ptr(static_cast<Element*>(t.ptr) + offset),
+                       make_shape(rows, Int<kHeadDim>{}), make_stride(t.row_stride, _1{}));
+  };
+  Tensor gQ = local_tile(gmem(p.q, seq.q_offset(p.q, b, h), seq.len_q), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                         make_coord(m_block, 0));
+  Tensor gO = local_tile(gmem(p.out, seq.q_offset(p.out, b, h), seq.len_q),
+                         Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+  Tensor gK = local_tile(gmem(p.k, seq.k_offset(p.k, b, hk), seq.len_k), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                         make_coord(_, 0));
+  Tensor gV = local_tile(gmem(p.v, seq.k_offset(p.v, b, hk), seq.len_k), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                         make_coord(_, 0));
+
+  extern __shared__ char smem[];
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename T::SmemLayoutQ{});
+  Tensor sK = make_tensor(sQ.data() + size(sQ), typename T::SmemLayoutKV{});
+  Tensor sV = make_tensor(sK.data() + size(sK), typename T::SmemLayoutKV{});
+  Tensor sVt = make_tensor(sV.data(), typename T::SmemLayoutVt{});
+
+  // ---- global -> shared (cp.async, 16 bytes per thread and step)
+  typename T::GmemLoad gload;
+  auto gthr = gload.get_thread_slice(tid);
+  Tensor tQgQ = gthr.partition_S(gQ);
+  Tensor tQsQ = gthr.partition_D(sQ);
+  Tensor tKgK = gthr.partition_S(gK);
+  Tensor tKsK = gthr.partition_D(sK);
+  Tensor tVgV = gthr.partition_S(gV);
+  Tensor tVsV = gthr.partition_D(sV);
+  Tensor tQcQ = gthr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tKcK = gthr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+
+  // ---- shared -> registers (ldmatrix) and the MMAs
+  typename T::TiledMma mma;
+  auto thr_mma = mma.get_thread_slice(tid);
+  auto shape_only = [](auto shape) {
+    return make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)), make_layout(shape, GenRowMajor{}));
+  };
+  Tensor tSrQ = thr_mma.partition_fragment_A(shape_only(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tSrK = thr_mma.partition_fragment_B(shape_only(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  Tensor tOrVt = thr_mma.partition_fragment_B(shape_only(Shape<Int<kHeadDim>, Int<kBlockN>>{}));
+
+  auto copy_q = make_tiled_copy_A(typename T::SmemCopyAtom{}, mma);
+  auto thr_copy_q = copy_q.get_thread_slice(tid);
+  Tensor tSsQ = thr_copy_q.partition_S(sQ);
+  auto copy_k = make_tiled_copy_B(typename T::SmemCopyAtom{}, mma);
+  auto thr_copy_k = copy_k.get_thread_slice(tid);
+  Tensor tSsK = thr_copy_k.partition_S(sK);
+  auto copy_v = make_tiled_copy_B(typename T::SmemCopyAtomT{}, mma);
+  auto thr_copy_v = copy_v.get_thread_slice(tid);
+  Tensor tOsVt = thr_copy_v.partition_S(sVt);
+
+  Tensor acc_o = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  clear(acc_o);
+  Tensor o_rc = rowcol(acc_o);
+  // Tile-local (row, key) of each score this thread holds.
+  Tensor coord_s = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor coord_rc = make_tensor(coord_s.data(), rowcol_layout(coord_s.layout()));
+  constexpr int kRows = decltype(size<0>(o_rc))::value;
+
+  float row_max[kRows];
+  float row_sum[kRows];
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    row_max[r] = -INFINITY;
+    row_sum[r] = 0.f;
+  }
+  const float f = shape.log2_factor;
+  const int q_rows = seq.len_q - m0;
+
+  // ---- prologue: Q and the first (last) key tile
+  copy_rows(gload, tQgQ, tQsQ, tQcQ, q_rows, p.headdim);
+  if (n_last > n_first) {
+    copy_rows(gload, tKgK(_, _, _, n_last - 1), tKsK, tKcK, seq.len_k - (n_last - 1) * kBlockN, p.headdim);
+  }
+  cp_async_fence();
+
+  for (int n = n_last - 1; n >= n_first; --n) {
+    const int n0 = n * kBlockN;
+    Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    clear(acc_s);
+    cp_async_wait<0>();
+    __syncthreads();  // K[n] has landed; every warp is done with V[n + 1]
+    copy_rows(gload, tVgV(_, _, _, n), tVsV, tKcK, seq.len_k - n0, p.headdim_v);
+    cp_async_fence();
+
+    gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma, copy_q, copy_k, thr_copy_q, thr_copy_k);
+    Tensor s = rowcol(acc_s);
+    shape_scores(s, coord_rc, m0, n0, shape, !shape.tile_unmasked(m0, kBlockM, n0, kBlockN));
+
+    __syncthreads();  // every warp is done reading K[n]
+    if (n > n_first) {
+      copy_rows(gload, tKgK(_, _, _, n - 1), tKsK, tKcK, seq.len_k - (n - 1) * kBlockN, p.headdim);
+    }
+    cp_async_fence();
+
+    // Online softmax: new running max, rescale what was accumulated, exponentiate this tile.
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float mx = row_max[r];
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s); ++c) mx = fmaxf(mx, s(r, c));
+      mx = quad_max(mx);
+      const float base = (mx == -INFINITY ? 0.f : mx) * f;
+      const float correction = fast_exp2(row_max[r] * f - base);  // 0 on the first visible tile
+      row_max[r] = mx;
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s); ++c) {
+        const float e = fast_exp2(fmaf(s(r, c), f, -base));
+        s(r, c) = e;
+        sum += e;
+      }
+      row_sum[r] = row_sum[r] * correction + sum;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= correction;
+    }
+    Tensor p_tile = convert_fragment<Element>(acc_s);
+    Tensor p_a = make_tensor(p_tile.data(), acc_as_a_layout(p_tile.layout()));
+
+    cp_async_wait<1>();
+    __syncthreads();  // V[n] has landed (K[n - 1] may still be in flight)
+    gemm_rs(acc_o, p_a, tOrVt, tOsVt, mma, copy_v, thr_copy_v);
+  }
+
+  // ---- epilogue: normalise, write lse and out (through shared memory, 16-byte stores)
+  float* lse = p.lse != nullptr ? p.lse + seq.lse_offset(p, b, h) : nullptr;
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    const float sum = quad_sum(row_sum[r]);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= inv;
+    const int row = m0 + get<0>(coord_rc(r, 0));
+    if (lse != nullptr && get<1>(coord_rc(r, 0)) == 0 && row < seq.len_q) {
+      lse[row] = sum > 0.f ? (row_max[r] * f + __log2f(sum)) * kLn2 : -INFINITY;
+    }
+  }
+  Tensor o_elem = convert_fragment<Element>(acc_o);
+  Tensor sO = make_tensor(sQ.data(), typename T::SmemLayoutQ{});
+  auto copy_o = make_tiled_copy_C(typename T::SmemCopyAtomO{}, mma);
+  auto thr_copy_o = copy_o.get_thread_slice(tid);
+  __syncthreads();  // every warp is done with sQ and sV
+  copy(copy_o, thr_copy_o.retile_S(o_elem), thr_copy_o.partition_D(sO));
+  __syncthreads();
+  typename T::GmemStore gstore;
+  auto sthr = gstore.get_thread_slice(tid);
+  copy_rows<false>(gstore, sthr.partition_S(sO), sthr.partition_D(gO), tQcQ, q_rows, p.headdim_v);
+}
+
+// Launches the forward for one traits type on `stream`.
+template <class T>
+cudaError_t launch_forward(AttnParams const& p, cudaStream_t stream) {
+  const auto kernel = forward_kernel<T>;
+  constexpr int kSmem = T::kSmemBytes;
+  if constexpr (kSmem > 48 * 1024) {
+    if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+        e != cudaSuccess) {
+      return e;
+    }
+  }
+  const dim3 grid((p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.nheads, p.batch);
+  kernel<<<grid, T::kThreads, kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace flare::cuda::sm80

@@ -1,0 +1,75 @@
+// traits.cuh — tile shapes, shared-memory layouts and copy/MMA atoms of the sm80 kernels (mma.sync m16n8k16,
+// ldmatrix, cp.async). Everything here is a type; the kernels in forward.cuh / backward.cuh use them.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "cuda/common/tile_utils.cuh"
+
+namespace flare::cuda::sm80 {
+
+using namespace cute;
+
+template <class Element>
+using MmaAtom = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
+                                   MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>,
+                                   MMA_Atom<SM80_16x8x16_F32BF16BF16F32_TN>>;
+
+// A row-major (rows x kHeadDim) shared tile, swizzled so that both 16-byte cp.async writes and ldmatrix
+// reads of 8 rows hit distinct banks. Rows are stored in 64-element (128-byte) chunks when the head dim
+// allows, else 32-element ones.
+template <class Element, int kHeadDim>
+struct SmemRowTile {
+  static constexpr int kChunk = kHeadDim % 64 == 0 ? 64 : 32;
+  static constexpr int kSwizzle = kChunk == 64 ? 3 : 2;
+  using Atom = decltype(composition(Swizzle<kSwizzle, 3, 3>{},
+                                    Layout<Shape<_8, Int<kChunk>>, Stride<Int<kChunk>, _1>>{}));
+  template <int kRows>
+  using Layout = decltype(tile_to_shape(Atom{}, Shape<Int<kRows>, Int<kHeadDim>>{}));
+};
+
+// 16-byte global<->shared copies for a (rows x kChunk)-wide tile, kThreads threads.
+template <class Element, int kChunk, int kThreads, bool kAsync>
+struct GmemCopy {
+  static constexpr int kThreadsPerRow = kChunk / 8;
+  using Atom = std::conditional_t<kAsync, Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>,
+                                  Copy_Atom<UniversalCopy<cute::uint128_t>, Element>>;
+  using Tiled = decltype(make_tiled_copy(
+      Atom{}, Layout<Shape<Int<kThreads / kThreadsPerRow>, Int<kThreadsPerRow>>, Stride<Int<kThreadsPerRow>, _1>>{},
+      Layout<Shape<_1, _8>>{}));
+};
+
+// The forward kernel: a CTA owns kBlockM query rows of one (batch, head) and walks the key tiles.
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
+struct FwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kThreads = kWarps * 32;
+  static_assert(kBlockM % (16 * kWarps) == 0, "warps split the query rows in 16-row slices");
+
+  // Warps tile the M dimension; the 16-wide N tile makes each B ldmatrix.x4 load 16 keys x 16 dims.
+  using TiledMma = TiledMMA<MmaAtom<Element>, Layout<Shape<Int<kWarps>, _1, _1>>,
+                            Tile<Int<16 * kWarps>, _16, _16>>;
+
+  using Smem = SmemRowTile<Element, kHeadDim>;
+  using SmemLayoutQ = typename Smem::template Layout<kBlockM>;
+  using SmemLayoutKV = typename Smem::template Layout<kBlockN>;
+  // V^T (kHeadDim x kBlockN) viewed over V's storage, read with ldmatrix.trans.
+  using SmemLayoutVt = decltype(composition(SmemLayoutKV{},
+                                            make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+
+  using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
+  using SmemCopyAtomT = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
+  using SmemCopyAtomO = Copy_Atom<DefaultCopy, Element>;
+
+  using GmemLoad = typename GmemCopy<Element, Smem::kChunk, kThreads, true>::Tiled;
+  using GmemStore = typename GmemCopy<Element, Smem::kChunk, kThreads, false>::Tiled;
+
+  static constexpr int kSmemBytes =
+      int(sizeof(Element)) * (cosize(SmemLayoutQ{}) + 2 * cosize(SmemLayoutKV{}));
+};
+
+}  // namespace flare::cuda::sm80
