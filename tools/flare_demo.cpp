@@ -10,8 +10,12 @@
 //   flare_demo --quick         small sizes, a few seconds (the smoke test)
 //   flare_demo --help          every option
 //
-// Devices: only the CPU path exists. A CUDA path slots in at run_flare() (device buffers, device memory
-// accounting through the CUDA runtime instead of VmHWM); --device cuda says so until then.
+// Devices: --device auto (the default) runs on the GPU when the demo was built with CUDA (FLARE_DEMO_CUDA,
+// set by tools/CMakeLists.txt when FLARE_ENABLE_CUDA is on), libflare has its CUDA backend and a CUDA
+// device is present; otherwise on the CPU, exactly as a CPU-only build does. On the GPU the rows are bf16
+// at seqlen 1024 / 4096 / 16384 / 65536, the naive way is a set of plain CUDA kernels materialising S in
+// fp32 (tools/demo/cuda_demo.cu), times come from CUDA events and memory is the device memory each
+// variant allocates beyond the inputs and outputs.
 #include <flare/flare.h>
 #include <omp.h>
 
@@ -26,6 +30,9 @@
 
 #include "demo/child_measure.hpp"
 #include "demo/naive_attention.hpp"
+#ifdef FLARE_DEMO_CUDA
+#include "demo/cuda_demo.hpp"
+#endif
 
 namespace {
 
@@ -44,7 +51,7 @@ constexpr double kToleranceBF16 = 2e-2;
 constexpr double kLongRunSeconds = 1.0;
 
 enum class Dtype { f32, bf16 };
-enum class Device { cpu, cuda };
+enum class Device { automatic, cpu, cuda };
 
 const char* dtype_name(Dtype d) { return d == Dtype::f32 ? "fp32" : "bf16"; }
 size_t dtype_bytes(Dtype d) { return d == Dtype::f32 ? 4 : 2; }
@@ -72,7 +79,9 @@ struct Options {
   bool causal = true;
   double budget_gib = 4.0;  // the naive way runs only if its score matrix fits in this
   int reps = 3;
-  Device device = Device::cpu;
+  Device device = Device::automatic;  // resolve_device() makes it cpu or cuda
+  bool seqlens_given = false, budget_given = false;
+  std::string device_note;  // why auto chose the CPU, when a GPU build could not use the GPU
 };
 
 void print_usage(std::FILE* to, const char* argv0) {
@@ -85,9 +94,12 @@ void print_usage(std::FILE* to, const char* argv0) {
                "  --headdim N         (default 128)\n"
                "  --dtypes LIST       fp32, bf16 or fp32,bf16 (default)\n"
                "  --no-causal         full attention instead of causal\n"
-               "  --budget-gib X      run the naive way only if its score matrix fits in X GiB (default 4)\n"
+               "  --budget-gib X      run the naive way only if its score matrix fits in X GiB (default 4;\n"
+               "                      40 on the GPU)\n"
                "  --reps N            timed runs per variant after one warm-up (default 3; 1 for long runs)\n"
-               "  --device cpu|cuda   (default cpu; the demo's CUDA path is not written yet)\n"
+               "  --device auto|cpu|cuda\n"
+               "                      auto (default): the GPU when this build, libflare and the machine have one\n"
+               "                      (then bf16 only, seqlen 1024,4096,16384,65536 unless given), else the CPU\n"
                "  --isa               print the CPU SIMD level flare uses here (flare_cpu_isa()) and exit\n",
                argv0);
 }
@@ -145,6 +157,7 @@ Options parse_options(int argc, char** argv) {
       for (const std::string& s : split_commas(next_value()))
         o.seqlens.push_back(parse_positive(argv[0], arg, s));
       quick_sizes = false;
+      o.seqlens_given = true;
     } else if (arg == "--batch") {
       o.batch = parse_positive(argv[0], arg, next_value());
     } else if (arg == "--heads") {
@@ -168,16 +181,19 @@ Options parse_options(int argc, char** argv) {
       o.budget_gib = std::atof(v.c_str());
       if (!(o.budget_gib > 0.0))
         usage_error(argv[0], "--budget-gib wants a positive number, got '" + v + "'");
+      o.budget_given = true;
     } else if (arg == "--reps") {
       o.reps = static_cast<int>(parse_positive(argv[0], arg, next_value()));
     } else if (arg == "--device") {
       const std::string v = next_value();
-      if (v == "cpu")
+      if (v == "auto")
+        o.device = Device::automatic;
+      else if (v == "cpu")
         o.device = Device::cpu;
       else if (v == "cuda")
         o.device = Device::cuda;
       else
-        usage_error(argv[0], "unknown device '" + v + "' (cpu or cuda)");
+        usage_error(argv[0], "unknown device '" + v + "' (auto, cpu or cuda)");
     } else {
       usage_error(argv[0], "unknown option '" + arg + "'");
     }
@@ -189,6 +205,40 @@ Options parse_options(int argc, char** argv) {
     o.reps = std::min(o.reps, 2);
   }
   return o;
+}
+
+// auto -> cuda or cpu (see the top of the file); an explicit --device cuda that cannot run is an error.
+// On the GPU the defaults change: bf16 only, longer sequences, a larger budget for the naive way's S.
+void resolve_device(Options& o, const char* argv0) {
+  if (o.device == Device::cpu) return;
+  std::string why_not;
+#ifdef FLARE_DEMO_CUDA
+  const flare_demo::CudaDeviceInfo gpu = flare_demo::cuda_device_info();
+  if (!flare_has_cuda())
+    why_not = "libflare was built without its CUDA backend (-DFLARE_ENABLE_CUDA=ON)";
+  else if (gpu.count == 0)
+    why_not = "no CUDA device (" + gpu.error + ")";
+#else
+  why_not = "flare_demo was built without CUDA (configure with -DFLARE_ENABLE_CUDA=ON)";
+#endif
+  if (!why_not.empty()) {
+    if (o.device == Device::cuda) {
+      std::fprintf(stderr, "flare_demo: --device cuda: %s\n", why_not.c_str());
+      std::exit(2);
+    }
+#ifdef FLARE_DEMO_CUDA
+    o.device_note = why_not;  // a CUDA build on a machine without a GPU: say why it runs on the CPU
+#endif
+    o.device = Device::cpu;
+    return;
+  }
+  o.device = Device::cuda;
+  if (!o.seqlens_given && !o.quick) o.seqlens = {1024, 4096, 16384, 65536};
+  if (!o.budget_given && !o.quick) o.budget_gib = 40.0;
+  const size_t before = o.dtypes.size();
+  o.dtypes.erase(std::remove(o.dtypes.begin(), o.dtypes.end(), Dtype::f32), o.dtypes.end());
+  if (o.dtypes.empty()) usage_error(argv0, "the CUDA path takes bf16 (fp16) only: --dtypes bf16");
+  if (o.dtypes.size() < before) o.device_note = "fp32 rows left out: flare's CUDA path takes fp16/bf16";
 }
 
 // ---- inputs: fresh normal random values; for bf16 the fp32 copy holds exactly the rounded values, so
@@ -262,16 +312,6 @@ std::string run_flare_cpu(const AttentionShape& s, Dtype dtype, const void* q, c
   return "";
 }
 
-std::string run_flare(Device device, const AttentionShape& s, Dtype dtype, const void* q, const void* k,
-                      const void* v, void* out) {
-  switch (device) {
-    case Device::cpu:
-      return run_flare_cpu(s, dtype, q, k, v, out);
-    case Device::cuda:
-      break;
-  }
-  return "the demo's CUDA path is not written yet";
-}
 
 // ---- reporting
 std::string format_bytes(double bytes, const char* prefix = "") {
@@ -305,7 +345,41 @@ struct Row {
   bool mismatch = false;
 };
 
+#ifdef FLARE_DEMO_CUDA
+// A GPU row (bf16): flare and the naive way on the device, measured in this process (tools/demo/cuda_demo.cu).
+Row run_row_cuda(const Options& o, int64_t seqlen, uint64_t seed) {
+  Row row;
+  row.shape = {o.batch, seqlen, seqlen, o.nheads, o.headdim, o.causal};
+  row.dtype = Dtype::bf16;
+  std::printf(" flare and the naive way on the GPU ... ");
+  std::fflush(stdout);
+  const flare_demo::CudaRow r = flare_demo::run_cuda_row(row.shape, o.reps, kLongRunSeconds, o.budget_gib * kGiB, seed);
+  row.flare = r.flare;
+  row.naive = r.naive;
+  row.naive_skipped = r.naive_skipped;
+  row.naive_scores_bytes = r.naive_scores_bytes;
+  row.max_abs_diff = r.max_abs_diff;
+  row.mismatch = row.max_abs_diff >= 0.0 && !(row.max_abs_diff <= kToleranceBF16);
+  if (row.flare.ok)
+    std::printf("flare %s ms", format_ms(row.flare.median_ms).c_str());
+  else
+    std::printf("flare FAILED (%s)", row.flare.error.c_str());
+  if (row.naive_skipped)
+    std::printf(" | naive skipped: its score matrix needs %s", format_bytes(row.naive_scores_bytes).c_str());
+  else if (row.naive.ok)
+    std::printf(" | naive %s ms", format_ms(row.naive.median_ms).c_str());
+  else
+    std::printf(" | naive FAILED (%s)", row.naive.error.c_str());
+  if (row.max_abs_diff >= 0.0) std::printf(" | max|diff| %.2e%s", row.max_abs_diff, row.mismatch ? " MISMATCH" : "");
+  std::printf("\n");
+  return row;
+}
+#endif
+
 Row run_row(const Options& o, int64_t seqlen, Dtype dtype, uint64_t seed) {
+#ifdef FLARE_DEMO_CUDA
+  if (o.device == Device::cuda) return run_row_cuda(o, seqlen, seed);
+#endif
   Row row;
   row.shape = {o.batch, seqlen, seqlen, o.nheads, o.headdim, o.causal};
   row.dtype = dtype;
@@ -327,7 +401,7 @@ Row run_row(const Options& o, int64_t seqlen, Dtype dtype, uint64_t seed) {
   std::fflush(stdout);
   row.flare = flare_demo::measure_in_child(
       [&] {
-        return run_flare(o.device, s, dtype, q.data(dtype), k.data(dtype), v.data(dtype), flare_out.data());
+        return run_flare_cpu(s, dtype, q.data(dtype), k.data(dtype), v.data(dtype), flare_out.data());
       },
       resident, o.reps, kLongRunSeconds);
   if (row.flare.ok)
@@ -376,16 +450,18 @@ Row run_row(const Options& o, int64_t seqlen, Dtype dtype, uint64_t seed) {
   return row;
 }
 
-void print_table(const std::vector<Row>& rows) {
-  std::printf("\n%7s %5s | %10s %8s %10s %8s | %11s %15s | %10s\n", "seqlen", "dtype", "flare ms", "GFLOP/s",
-              "naive ms", "speedup", "flare mem", "naive mem", "max|diff|");
+void print_table(const std::vector<Row>& rows, bool gpu) {
+  // The GPU reports TFLOP/s, the CPU GFLOP/s: each in the unit its figures are read in.
+  const double unit = gpu ? 1e-12 : 1e-9;
+  std::printf("\n%7s %5s | %10s %8s %10s %8s | %11s %15s | %10s\n", "seqlen", "dtype", "flare ms",
+              gpu ? "TFLOP/s" : "GFLOP/s", "naive ms", "speedup", "flare mem", "naive mem", "max|diff|");
   std::printf("%s\n", std::string(102, '-').c_str());
   for (const Row& r : rows) {
     std::string flare_ms = "failed", gflops = "-", flare_mem = "-";
     if (r.flare.ok) {
       flare_ms = format_ms(r.flare.median_ms);
       char buf[32];
-      std::snprintf(buf, sizeof buf, "%.1f", forward_flops(r.shape) / (r.flare.median_ms * 1e-3) * 1e-9);
+      std::snprintf(buf, sizeof buf, "%.1f", forward_flops(r.shape) / (r.flare.median_ms * 1e-3) * unit);
       gflops = buf;
       flare_mem = format_bytes(r.flare.extra_mib * kMiB, "+");
     }
@@ -414,11 +490,37 @@ void print_table(const std::vector<Row>& rows) {
   }
 }
 
+#ifdef FLARE_DEMO_CUDA
+void print_header_cuda(const Options& o) {
+  const flare_demo::CudaDeviceInfo gpu = flare_demo::cuda_device_info();
+  std::printf("flare %s demo: exact attention without the n x n score matrix\n", flare_version());
+  std::printf("device: cuda:0, %s (sm_%d%d, %d SMs, %.0f GiB); flare's CUDA backend\n", gpu.name.c_str(),
+              gpu.major, gpu.minor, gpu.sm_count, gpu.memory_gib);
+  if (!o.device_note.empty()) std::printf("note: %s\n", o.device_note.c_str());
+  std::printf("problem: batch %lld, %lld heads, headdim %lld, %s, forward, bf16; inputs fresh N(0,1) made on the GPU\n",
+              static_cast<long long>(o.batch), static_cast<long long>(o.nheads),
+              static_cast<long long>(o.headdim), o.causal ? "causal" : "not causal");
+  std::printf(
+      "naive way: S = QK^T/sqrt(d) materialised in fp32 on the GPU (batch x heads x seqlen^2 floats), masked,\n"
+      "  softmax, then P.V, by plain CUDA kernels (no tensor cores); it runs only if S fits in %.1f GiB.\n",
+      o.budget_gib);
+  std::printf(
+      "time: CUDA events, median of up to %d runs after one warm-up run (one run when the warm-up took over\n"
+      "  %.0f s). memory: device memory a variant allocates beyond its inputs and output: flare's workspace\n"
+      "  (flare_fwd_workspace_size; given one, flare allocates nothing), the naive way's S.\n\n",
+      o.reps, kLongRunSeconds);
+}
+#endif
+
 void print_header(const Options& o) {
+#ifdef FLARE_DEMO_CUDA
+  if (o.device == Device::cuda) return print_header_cuda(o);
+#endif
   std::printf("flare %s demo: exact attention without the n x n score matrix\n", flare_version());
   std::printf("device: %s; CPU SIMD level: %s; OpenMP threads: %d; CUDA backend in this build: %s\n",
               o.device == Device::cpu ? "cpu" : "cuda", flare_cpu_isa(), omp_get_max_threads(),
               flare_has_cuda() ? "yes" : "no");
+  if (!o.device_note.empty()) std::printf("note: %s: running on the CPU\n", o.device_note.c_str());
   std::printf("problem: batch %lld, %lld heads, headdim %lld, %s, forward; inputs fresh N(0,1)\n",
               static_cast<long long>(o.batch), static_cast<long long>(o.nheads),
               static_cast<long long>(o.headdim), o.causal ? "causal" : "not causal");
@@ -438,13 +540,8 @@ void print_header(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const Options o = parse_options(argc, argv);
-  if (o.device == Device::cuda && !flare_has_cuda()) {
-    std::fprintf(
-        stderr,
-        "flare_demo: this build of flare has no CUDA backend (configure with -DFLARE_ENABLE_CUDA=ON)\n");
-    return 2;
-  }
+  Options o = parse_options(argc, argv);
+  resolve_device(o, argv[0]);
   // The parent stays serial (no OpenMP region) so that forked children can start their own threads.
   print_header(o);
 
@@ -458,7 +555,7 @@ int main(int argc, char** argv) {
       rows.push_back(run_row(o, seqlen, dtype, seed++));
     }
   }
-  print_table(rows);
+  print_table(rows, o.device == Device::cuda);
 
   bool failed = false;
   for (const Row& r : rows) failed = failed || !r.flare.ok || r.mismatch || (!r.naive_skipped && !r.naive.ok);
