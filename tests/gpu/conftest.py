@@ -1,8 +1,8 @@
 """pytest setup of the GPU suite (tests/gpu): the device the tests run on, the library they load, seeds.
 
-  --device cuda|cpu    (or FLARE_TEST_DEVICE; default cuda). cpu runs the same tests against the CPU backend
-                       at small sizes: a check of the harness itself on a machine without a GPU.
-  --size full|small    (or FLARE_TEST_SIZE; default full on cuda, small on cpu)
+  --device cuda|cpu    (or --flare-device, or FLARE_TEST_DEVICE; default cuda). cpu runs the same tests against
+                       the CPU backend at small sizes: a check of the harness itself on a machine without a GPU.
+  --size full|small    (or --flare-size, or FLARE_TEST_SIZE; default full on cuda, small on cpu)
 Library: FLARE_LIBRARY when set, else build/cuda/src/libflare.so when it exists (cuda), else the search of
 python/flare/_capi.py. Seeds: fresh each session unless FLARE_TEST_SEED=<n> is set; the session seed is in the
 report header and each test's seed (session seed + test id) in its output, so a failure can be replayed with
@@ -27,16 +27,23 @@ sys.path.insert(0, str(HERE))
 SESSION_SEED = int(os.environ.get("FLARE_TEST_SEED") or random.SystemRandom().randrange(2 ** 31))
 
 
+def _add(parser, names, **kwargs):
+    try:
+        parser.addoption(*names, **kwargs)
+    except ValueError:  # another plugin owns the short name: keep the --flare-* one
+        parser.addoption(names[-1], **kwargs)
+
+
 def pytest_addoption(parser):
-    parser.addoption("--device", choices=["cuda", "cpu"], default=None,
-                     help="device the GPU suite runs on (default cuda; cpu checks the harness at small sizes)")
-    parser.addoption("--size", choices=["full", "small"], default=None,
-                     help="case lists: full (default on cuda) or small (default on cpu)")
+    _add(parser, ("--device", "--flare-device"), dest="flare_device", choices=["cuda", "cpu"], default=None,
+         help="device the GPU suite runs on (default cuda; cpu checks the harness at small sizes)")
+    _add(parser, ("--size", "--flare-size"), dest="flare_size", choices=["full", "small"], default=None,
+         help="case lists: full (default on cuda) or small (default on cpu)")
 
 
 def pytest_configure(config):
-    device = config.getoption("--device", default=None) or os.environ.get("FLARE_TEST_DEVICE") or "cuda"
-    size = (config.getoption("--size", default=None) or os.environ.get("FLARE_TEST_SIZE")
+    device = getattr(config.option, "flare_device", None) or os.environ.get("FLARE_TEST_DEVICE") or "cuda"
+    size = (getattr(config.option, "flare_size", None) or os.environ.get("FLARE_TEST_SIZE")
             or ("full" if device == "cuda" else "small"))
     os.environ["FLARE_TEST_DEVICE"] = device  # read by cases.py when the test modules are imported
     os.environ["FLARE_TEST_SIZE"] = size
