@@ -100,6 +100,11 @@ def notes(rows):
         out.append("**!** rows that failed the accuracy check (their times are not a result):")
         out += [f"- {r['pass']} hd {r['headdim']} seqlen {r['seqlen_q']} {'causal' if r['causal'] else 'full'}: "
                 f"{r['check_failed']}" for r in failed]
+    errors = [r for r in rows if r.get("error") and r["impl"] == "flare"]
+    if errors:
+        out.append("**!** rows where flare failed:")
+        out += [f"- {r['pass']} hd {r['headdim']} seqlen {r['seqlen_q']} {'causal' if r['causal'] else 'full'}: "
+                f"{r['error']}" for r in errors]
     refused = {}
     for r in rows:
         if r.get("skipped") and not is_memory_row(r):

@@ -16,6 +16,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def prefer_cuda_build():
+    """FLARE_LIBRARY defaults to build/cuda/src/libflare.so when that build exists (python/flare/_capi.py's own
+    search knows only the release build and the installed package)."""
+    cuda_build = REPO / "build" / "cuda" / "src" / "libflare.so"
+    if "FLARE_LIBRARY" not in os.environ and cuda_build.is_file():
+        os.environ["FLARE_LIBRARY"] = str(cuda_build)
+
+
 def git_commit():
     """(sha, dirty): git's answer, else FLARE_COMMIT (dirty unknown: None), else ("unknown", None)."""
     try:

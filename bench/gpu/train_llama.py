@@ -171,6 +171,7 @@ def parse_args():
 
 def main():
     args = parse_args()
+    run_meta.prefer_cuda_build()
     import transformers
     import flare.integrations.transformers as flare_hf
 

@@ -6,9 +6,8 @@ Shared by the pytest modules and tests/gpu/sanitize.py. The device and the size 
 FLARE_TEST_DEVICE / FLARE_TEST_SIZE (conftest.py sets them from --device / --size).
 """
 
-import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -57,7 +56,6 @@ class Case:
     seqlens_q: Optional[list] = None
     seqlens_k: Optional[list] = None
     seqused_k: Optional[list] = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def dv(self):
@@ -204,19 +202,7 @@ def check_case(case, backward=True, device=None):
     return inputs, (out, lse, grads)
 
 
-def flops_of(case):
-    """Rough forward FLOPs, for sizing decisions only."""
-    if case.varlen:
-        pairs = sum(a * b for a, b in zip(case.seqlens_q, case.seqlens_k))
-    else:
-        pairs = case.batch * case.seqlen_q * case.seqlen_k
-    return 2.0 * pairs * case.nheads * (case.headdim + case.dv)
-
-
 def heads_cycle(index):
     """MHA, GQA and MQA in turn, so a list of cases covers all three."""
     return [(4, 4), (6, 2), (4, 1)][index % 3]
 
-
-def default_scale(headdim):
-    return 1.0 / math.sqrt(headdim)
