@@ -13,8 +13,10 @@
 #             "memcheck racecheck"); SANITIZE_ARGS: more sanitizer arguments (e.g. "--kernel-name kns=flare")
 #   bench     bench/gpu/bench_gpu.py --out $OUT, then its plot    BENCH_ARGS (e.g. "--quick")
 #   train     bench/gpu/train_llama.py --out $OUT                 TRAIN_ARGS (e.g. "--steps 10")
-#   demo      build/cuda/tools/flare_demo, when it was built      DEMO_ARGS (e.g. "--quick")
-# Environment: FLARE_LIBRARY (default build/cuda/src/libflare.so, else python/flare/libflare.so);
+#   demo      the GPU demo, when it was built                     DEMO_ARGS (e.g. "--quick")
+# Environment: FLARE_LIBRARY (default: build/cuda/src/libflare.so, else a libflare.so.* file there, else
+#   python/flare/libflare.so); FLARE_DEMO (default build/cuda/tools/flare_demo: it finds libflare.so.0
+#   through a link to FLARE_LIBRARY, so carrying the real files, not the build tree's symlinks, is enough);
 #   FLARE_COMMIT (the commit to record where the tree has no .git); PYTHON (default python3);
 #   RUN_BUDGET_S (default 570): every stage is cut to what is left of it, so that the run ends, summary
 #   written, inside the GPU machine's 10-minute call; a stage with no time left is recorded as skipped.
@@ -44,10 +46,11 @@ DEADLINE=$(( START + ${RUN_BUDGET_S:-570} ))
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
 if [[ -z ${FLARE_LIBRARY:-} ]]; then
-  for candidate in build/cuda/src/libflare.so python/flare/libflare.so; do
+  for candidate in build/cuda/src/libflare.so build/cuda/src/libflare.so.* python/flare/libflare.so; do
     if [[ -f $candidate ]]; then export FLARE_LIBRARY=$REPO/$candidate; break; fi
   done
 fi
+FLARE_DEMO=${FLARE_DEMO:-build/cuda/tools/flare_demo}
 
 log() { echo "$*" | tee -a "$LOG"; }
 
@@ -136,11 +139,14 @@ for s in "${STAGES[@]}"; do
       stage train 480 "$PY" bench/gpu/train_llama.py --out "$OUT" "${WORDS[@]}"
       ;;
     demo)
-      if [[ -x build/cuda/tools/flare_demo ]]; then
+      if [[ -x $FLARE_DEMO && -n ${FLARE_LIBRARY:-} ]]; then
+        # the demo links libflare.so.0 (its SONAME): point one at FLARE_LIBRARY, wherever that was carried
+        mkdir -p "$WORK/lib" && ln -sf "$(realpath "$FLARE_LIBRARY")" "$WORK/lib/libflare.so.0"
         words DEMO_ARGS
-        stage demo 240 build/cuda/tools/flare_demo "${WORDS[@]}"
+        stage demo 240 env LD_LIBRARY_PATH="$WORK/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$FLARE_DEMO" \
+          "${WORDS[@]}"
       else
-        skip demo "build/cuda/tools/flare_demo not built (cmake --preset cuda -DFLARE_BUILD_TOOLS=ON)"
+        skip demo "$FLARE_DEMO or the library not found (cmake --preset cuda -DFLARE_BUILD_TOOLS=ON builds it)"
       fi
       ;;
   esac
