@@ -17,10 +17,20 @@ namespace flare::cuda {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
+// tanh from one ex2 and one reciprocal: tanh(u) = 1 - 2 / (e^{2u} + 1). Absolute error ~1e-7, saturating
+// cleanly to ±1 (no call to the libdevice tanhf, whose register appetite spilled the kernels).
+__device__ __forceinline__ float tanh_fast(float u) {
+  float e, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(u * (2.f * 1.4426950408889634f)));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(e + 1.f));
+  return 1.f - 2.f * r;
+}
+
 struct ScoreShape {
   policy::WindowMask mask;
   float scale = 1.f;
   float softcap = 0.f;
+  float softcap_inv = 0.f; // 1 / softcap
   float slope = 0.f;      // ALiBi slope of this (batch, head); 0 = none
   bool transform = false;  // softcap or ALiBi: the tile is rewritten
   float log2_factor = 1.f; // multiply the tile by this to get log2 logits
@@ -29,6 +39,7 @@ struct ScoreShape {
     mask = policy::WindowMask{len_q, len_k, p.window_left, p.window_right};
     scale = p.scale;
     softcap = p.softcap;
+    softcap_inv = softcap > 0.f ? 1.f / softcap : 0.f;
     if (p.alibi_slopes != nullptr) slope = p.alibi_slopes[b * p.alibi_batch_stride + h];
     transform = softcap > 0.f || slope != 0.f;
     log2_factor = transform ? 1.f : p.scale_log2;
@@ -84,7 +95,7 @@ __device__ __forceinline__ void shape_scores(S& s, C const& coord, int m0, int n
       if (sh.transform) {
         x *= sh.scale;
         if (sh.softcap > 0.f) {
-          const float t = tanhf(x / sh.softcap);
+          const float t = tanh_fast(x * sh.softcap_inv);
           x = sh.softcap * t;
           if constexpr (!std::is_same_v<DT, std::nullptr_t>) (*dtanh)(mi, ni) = 1.f - t * t;
         }

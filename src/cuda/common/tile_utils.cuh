@@ -73,6 +73,18 @@ __device__ __forceinline__ void copy_rows(TiledCopy const& tiled_copy, S const& 
   }
 }
 
+// copy_rows when the tile may be partial, a plain copy (no predicates) when it is whole: `whole` says that all
+// kRows rows exist and the head dim fills the tile.
+template <class TiledCopy, class S, class D, class C>
+__device__ __forceinline__ void copy_tile(TiledCopy const& tiled_copy, S const& src, D&& dst, C const& coord,
+                                          int rows, int cols, bool whole) {
+  if (whole) {
+    copy(tiled_copy, src, dst);
+  } else {
+    copy_rows(tiled_copy, src, dst, coord, rows, cols);
+  }
+}
+
 // ---- shared -> register GEMMs ----------------------------------------------------------------------------
 // acc += A * B^T with both operands in shared memory, loading the k-slice k+1 into registers while the
 // tensor cores work on slice k.

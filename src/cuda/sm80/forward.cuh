@@ -106,11 +106,14 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
   }
   const float f = shape.log2_factor;
   const int q_rows = seq.len_q - m0;
+  const bool k_dims_whole = p.headdim == kHeadDim;
+  const bool v_dims_whole = p.headdim_v == kHeadDim;
 
   // ---- prologue: Q and the first (last) key tile
   copy_rows(gload, tQgQ, tQsQ, tQcQ, q_rows, p.headdim);
   if (n_last > n_first) {
-    copy_rows(gload, tKgK(_, _, _, n_last - 1), tKsK, tKcK, seq.len_k - (n_last - 1) * kBlockN, p.headdim);
+    const int rows = seq.len_k - (n_last - 1) * kBlockN;
+    copy_tile(gload, tKgK(_, _, _, n_last - 1), tKsK, tKcK, rows, p.headdim, k_dims_whole && rows >= kBlockN);
   }
   cp_async_fence();
 
@@ -120,7 +123,8 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
     clear(acc_s);
     cp_async_wait<0>();
     __syncthreads();  // K[n] has landed; every warp is done with V[n + 1]
-    copy_rows(gload, tVgV(_, _, _, n), tVsV, tKcK, seq.len_k - n0, p.headdim_v);
+    copy_tile(gload, tVgV(_, _, _, n), tVsV, tKcK, seq.len_k - n0, p.headdim_v,
+              v_dims_whole && seq.len_k - n0 >= kBlockN);
     cp_async_fence();
 
     gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma, copy_q, copy_k, thr_copy_q, thr_copy_k);
@@ -129,7 +133,8 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
 
     __syncthreads();  // every warp is done reading K[n]
     if (n > n_first) {
-      copy_rows(gload, tKgK(_, _, _, n - 1), tKsK, tKcK, seq.len_k - (n - 1) * kBlockN, p.headdim);
+      // Every tile before the last is whole in rows.
+      copy_tile(gload, tKgK(_, _, _, n - 1), tKsK, tKcK, kBlockN, p.headdim, k_dims_whole);
     }
     cp_async_fence();
 
