@@ -40,6 +40,27 @@ __device__ __forceinline__ constexpr auto acc_as_a_layout(L const& acc) {
   return make_layout(make_layout(get<0>(acc), get<0>(n)), get<1>(acc), get<1>(n));
 }
 
+// Tile-local coordinates of the accumulator elements a thread holds, split as (this thread's base) + (the
+// element's offset in thread 0's partition). The offsets fold to compile-time constants, so no per-element
+// coordinate occupies a register across a loop (the identity-tensor coordinates of every thread did, and
+// spilled). Valid because an MMA partition is a translation of thread 0's: warp and lane only shift it.
+template <class Mma, class TileShape>
+struct AccCoords {
+  int row_base;
+  int col_base;
+
+  __device__ __forceinline__ AccCoords(Mma const& mma, int tid) {
+    auto mine = mma.get_thread_slice(tid).partition_C(make_identity_tensor(TileShape{}));
+    auto ref = offsets();
+    row_base = get<0>(mine(0)) - get<0>(ref(0));
+    col_base = get<1>(mine(0)) - get<1>(ref(0));
+  }
+  // Thread 0's coordinates, in the accumulator's own layout.
+  __device__ __forceinline__ static auto offsets() {
+    return Mma{}.get_thread_slice(0).partition_C(make_identity_tensor(TileShape{}));
+  }
+};
+
 // Elementwise conversion of a register fragment (e.g. fp32 accumulators to half/bf16 operands).
 template <class To, class Engine, class Layout>
 __device__ __forceinline__ auto convert_fragment(Tensor<Engine, Layout> const& src) {

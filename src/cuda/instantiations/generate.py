@@ -23,12 +23,12 @@ namespace flare::cuda::sm80 {{
 
 template <>
 cudaError_t run_forward<{enum}, {d}>(AttnParams const& p, cudaStream_t stream) {{
-  return launch_forward<FwdConfig<{elem}, {d}>>(p, stream);
+  return launch_forward_for<{elem}, {d}>(p, stream);
 }}
 
 template <>
 int forward_smem_bytes<{enum}, {d}>() {{
-  return FwdConfig<{elem}, {d}>::kSmemBytes;
+  return forward_smem_bytes_for<{elem}, {d}>();
 }}
 
 }}  // namespace flare::cuda::sm80

@@ -6,12 +6,12 @@ namespace flare::cuda::sm80 {
 
 template <>
 cudaError_t run_forward<FLARE_DTYPE_BF16, 256>(AttnParams const& p, cudaStream_t stream) {
-  return launch_forward<FwdConfig<cutlass::bfloat16_t, 256>>(p, stream);
+  return launch_forward_for<cutlass::bfloat16_t, 256>(p, stream);
 }
 
 template <>
 int forward_smem_bytes<FLARE_DTYPE_BF16, 256>() {
-  return FwdConfig<cutlass::bfloat16_t, 256>::kSmemBytes;
+  return forward_smem_bytes_for<cutlass::bfloat16_t, 256>();
 }
 
 }  // namespace flare::cuda::sm80

@@ -6,12 +6,12 @@ namespace flare::cuda::sm80 {
 
 template <>
 cudaError_t run_forward<FLARE_DTYPE_F16, 224>(AttnParams const& p, cudaStream_t stream) {
-  return launch_forward<FwdConfig<cutlass::half_t, 224>>(p, stream);
+  return launch_forward_for<cutlass::half_t, 224>(p, stream);
 }
 
 template <>
 int forward_smem_bytes<FLARE_DTYPE_F16, 224>() {
-  return FwdConfig<cutlass::half_t, 224>::kSmemBytes;
+  return forward_smem_bytes_for<cutlass::half_t, 224>();
 }
 
 }  // namespace flare::cuda::sm80

@@ -196,9 +196,14 @@ __global__ void __launch_bounds__(T::kThreads) backward_kernel(const __grid_cons
   Tensor tPsP = thr_p.partition_D(sP);
   Tensor tPsdS = thr_p.partition_D(sdS);
 
-  Tensor coord_s = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  // Accumulator coordinates as base + constant offsets (AccCoords).
+  using ScoreCoords = AccCoords<typename T::MmaSdP, Shape<Int<kBlockM>, Int<kBlockN>>>;
+  const ScoreCoords coords(mma_sdp, tid);
+  Tensor coord_s = ScoreCoords::offsets();
   Tensor coord_rc = make_tensor(coord_s.data(), rowcol_layout(coord_s.layout()));
-  Tensor coord_dq = thr_dq.partition_C(make_identity_tensor(TileM{}));
+  using DqCoords = AccCoords<typename T::MmadQ, TileM>;
+  const DqCoords dq_coords(mma_dq, tid);
+  Tensor coord_dq = DqCoords::offsets();
   constexpr int kRows = decltype(size<0>(coord_rc))::value;
 
   for (int n_block = blockIdx.x; n_block < n_blocks; n_block += gridDim.x) {
@@ -246,7 +251,7 @@ __global__ void __launch_bounds__(T::kThreads) backward_kernel(const __grid_cons
       float dd[kRows];
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
-        const int i = m0 + get<0>(coord_rc(r, 0));
+        const int i = m0 + coords.row_base + get<0>(coord_rc(r, 0));
         const float l = i < seq.len_q ? lse[i] : -INFINITY;
         lse2[r] = l == -INFINITY ? INFINITY : l * kLog2e;
         dd[r] = i < seq.len_q ? dsum[i] : 0.f;
@@ -265,19 +270,21 @@ __global__ void __launch_bounds__(T::kThreads) backward_kernel(const __grid_cons
       Tensor dp = rowcol(acc_dp);
       const bool masked = !shape.tile_unmasked(m0, kBlockM, n0, kBlockN);
       if (shape.softcap > 0.f) {
-        Tensor dtanh = make_tensor<float>(s.layout());
-        shape_scores(s, coord_rc, m0, n0, shape, masked, &dtanh);
+        // 1 - tanh² in [0, 1], kept in fp16 (10-bit mantissa, below the rounding dS gets anyway): half the
+        // registers of an fp32 copy, which spilled.
+        Tensor dtanh = make_tensor<cutlass::half_t>(s.layout());
+        shape_scores(s, coord_rc, m0 + coords.row_base, n0 + coords.col_base, shape, masked, &dtanh);
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
           CUTE_UNROLL
           for (int c = 0; c < size<1>(s); ++c) {
             const float pr = fast_exp2(fmaf(s(r, c), f, -lse2[r]));
             s(r, c) = pr;
-            dp(r, c) = pr * (dp(r, c) - dd[r]) * dtanh(r, c);
+            dp(r, c) = pr * (dp(r, c) - dd[r]) * static_cast<float>(dtanh(r, c));
           }
         }
       } else {
-        shape_scores(s, coord_rc, m0, n0, shape, masked);
+        shape_scores(s, coord_rc, m0 + coords.row_base, n0 + coords.col_base, shape, masked);
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
           CUTE_UNROLL
@@ -303,7 +310,7 @@ __global__ void __launch_bounds__(T::kThreads) backward_kernel(const __grid_cons
       Tensor acc_dq = partition_fragment_C(mma_dq, TileM{});
       clear(acc_dq);
       gemm_ss(acc_dq, rdS, rKt, tdQsdS, tdQsKt, mma_dq, copy_a_dq, copy_b_dq, thr_a_dq, thr_b_dq);
-      float* dq_tile = dq_accum + static_cast<int64_t>(m0) * kHeadDim;
+      float* dq_tile = dq_accum + static_cast<int64_t>(m0 + dq_coords.row_base) * kHeadDim + dq_coords.col_base;
       CUTE_UNROLL
       for (int i = 0; i < size(acc_dq); ++i) {
         atomicAdd(dq_tile + get<0>(coord_dq(i)) * kHeadDim + get<1>(coord_dq(i)), acc_dq(i));
@@ -311,7 +318,9 @@ __global__ void __launch_bounds__(T::kThreads) backward_kernel(const __grid_cons
     }
 
     // dK (scaled) and dV: straight to the caller's tensors (MHA) or to per-query-head fp32 buffers (GQA).
-    Tensor coord_kv = thr_dkv.partition_C(make_identity_tensor(TileN{}));
+    using KvCoords = AccCoords<typename T::MmadKV, TileN>;
+    const KvCoords kv_coords(mma_dkv, tid);
+    Tensor coord_kv = KvCoords::offsets();
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.scale;
     if (group == 1) {
@@ -332,9 +341,9 @@ __global__ void __launch_bounds__(T::kThreads) backward_kernel(const __grid_cons
       copy_rows<false>(gstore, sthr.partition_S(sdK), sthr.partition_D(gdK), tKcK, k_rows, p.headdim);
       copy_rows<false>(gstore, sthr.partition_S(sdV), sthr.partition_D(gdV), tKcK, k_rows, p.headdim_v);
     } else {
-      const int64_t row0 = h * p.k_rows + k_row0 + n0;
-      float* dk = p.dk_accum + row0 * kHeadDim;
-      float* dv = p.dv_accum + row0 * kHeadDim;
+      const int64_t row0 = h * p.k_rows + k_row0 + n0 + kv_coords.row_base;
+      float* dk = p.dk_accum + row0 * kHeadDim + kv_coords.col_base;
+      float* dv = p.dv_accum + row0 * kHeadDim + kv_coords.col_base;
       CUTE_UNROLL
       for (int i = 0; i < size(acc_dk); ++i) {
         const int64_t at = get<0>(coord_kv(i)) * kHeadDim + get<1>(coord_kv(i));

@@ -1,9 +1,11 @@
 // configs.cuh — the tile shape of each (pass, head dim) on sm80-class GPUs. One place, so the generated
 // translation units (src/cuda/instantiations) and the workspace sizing agree.
 //
-// Forward: 128 query rows per CTA; key tiles of 128 for small head dims and 64 otherwise, keeping the
-// scores, probabilities and output accumulators of a thread within the 255-register budget; 8 warps from
-// head dim 160 up, where the output accumulator alone would exceed it with 4.
+// Forward: 128 query rows per CTA, 32 per warp (4 warps) up to head dim 128 — fewer rows per warp would make
+// shared-memory reads of K and V the bottleneck — and 16 per warp (8 warps) beyond, where a 32-row output
+// accumulator alone would exceed the 255-register budget. Key tiles: 128 for head dims <= 64 without a mask
+// (64 with one), 64 at 96, 32 at 128 (64 spilled registers there), 64 beyond. Chosen by timing
+// variants on the H200 (docs/performance.md).
 // Backward: the K/V tile stays in shared memory while query tiles stream (Q and dO double-buffered);
 // key tiles of 128 up to head dim 128, 64 beyond, where dK and dV accumulators grow with the head dim.
 #pragma once
@@ -13,8 +15,32 @@
 
 namespace flare::cuda::sm80 {
 
+// FwdConfig<E, d, kWindowed>: kWindowed for calls with a causal or sliding-window mask, where narrower key
+// tiles waste less work on the diagonal (head dims <= 64 only; larger ones use one shape for both).
+template <class Element, int kHeadDim, bool kWindowed>
+struct FwdConfigOf {
+  static constexpr int kBlockN = kHeadDim <= 64 ? (kWindowed ? 64 : 128) : kHeadDim <= 96 ? 64 : kHeadDim <= 128 ? 32 : 64;
+  static constexpr int kWarps = kHeadDim <= 128 ? 4 : 8;
+  using type = FwdTraits<Element, kHeadDim, 128, kBlockN, kWarps>;
+};
+template <class Element, int kHeadDim, bool kWindowed = false>
+using FwdConfig = typename FwdConfigOf<Element, kHeadDim, kWindowed>::type;
+
+// Runs the forward with the configuration for this call's mask.
 template <class Element, int kHeadDim>
-using FwdConfig = FwdTraits<Element, kHeadDim, 128, (kHeadDim <= 64 ? 128 : 64), (kHeadDim <= 128 ? 4 : 8)>;
+cudaError_t launch_forward_for(AttnParams const& p, cudaStream_t stream) {
+  if constexpr (kHeadDim <= 64) {
+    if (p.window_left >= 0 || p.window_right >= 0) return launch_forward<FwdConfig<Element, kHeadDim, true>>(p, stream);
+  }
+  return launch_forward<FwdConfig<Element, kHeadDim, false>>(p, stream);
+}
+
+template <class Element, int kHeadDim>
+constexpr int forward_smem_bytes_for() {
+  constexpr int a = FwdConfig<Element, kHeadDim, false>::kSmemBytes;
+  constexpr int b = FwdConfig<Element, kHeadDim, true>::kSmemBytes;
+  return a > b ? a : b;
+}
 
 template <class Element, int kHeadDim>
 struct BwdConfigOf;

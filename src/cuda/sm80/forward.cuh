@@ -92,8 +92,10 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
   Tensor acc_o = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   clear(acc_o);
   Tensor o_rc = rowcol(acc_o);
-  // Tile-local (row, key) of each score this thread holds.
-  Tensor coord_s = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  // Tile-local (row, key) of each score this thread holds: base + constant offsets (AccCoords).
+  using ScoreCoords = AccCoords<typename T::TiledMma, Shape<Int<kBlockM>, Int<kBlockN>>>;
+  const ScoreCoords coords(mma, tid);
+  Tensor coord_s = ScoreCoords::offsets();
   Tensor coord_rc = make_tensor(coord_s.data(), rowcol_layout(coord_s.layout()));
   constexpr int kRows = decltype(size<0>(o_rc))::value;
 
@@ -129,7 +131,8 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
 
     gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma, copy_q, copy_k, thr_copy_q, thr_copy_k);
     Tensor s = rowcol(acc_s);
-    shape_scores(s, coord_rc, m0, n0, shape, !shape.tile_unmasked(m0, kBlockM, n0, kBlockN));
+    shape_scores(s, coord_rc, m0 + coords.row_base, n0 + coords.col_base, shape,
+                 !shape.tile_unmasked(m0, kBlockM, n0, kBlockN));
 
     __syncthreads();  // every warp is done reading K[n]
     if (n > n_first) {
@@ -175,8 +178,8 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
     CUTE_UNROLL
     for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= inv;
-    const int row = m0 + get<0>(coord_rc(r, 0));
-    if (lse != nullptr && get<1>(coord_rc(r, 0)) == 0 && row < seq.len_q) {
+    const int row = m0 + coords.row_base + get<0>(coord_rc(r, 0));
+    if (lse != nullptr && coords.col_base + get<1>(coord_rc(r, 0)) == 0 && row < seq.len_q) {
       lse[row] = sum > 0.f ? (row_max[r] * f + __log2f(sum)) * kLn2 : -INFINITY;
     }
   }
