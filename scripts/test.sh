@@ -3,8 +3,10 @@
 #   1. the C++ tests (GoogleTest via CTest) and the demo smoke test, at this machine's best SIMD level
 #   2. the C++ tests again at every SIMD level below that one (FLARE_CPU_ISA=avx512, avx2, generic), so
 #      the lower kernels are checked on a machine that would not pick them
-#   3. the Python tests (pytest over tests/python: torch ops, flash_attn API, transformers), with the pinned
-#      tests/python/requirements.txt installed by scripts/python-env.sh where missing
+#   3. the Python tests (pytest over tests/python: torch ops, flash_attn API, transformers, ring attention over
+#      gloo), with the pinned tests/python/requirements.txt installed by scripts/python-env.sh where missing
+#   4. where nvcc is installed: the CUDA sources compiled (one head-dim tile of each pass, sm_80), so a
+#      compile error cannot land; where a GPU is present too, a CUDA build and the GPU suite (tests/gpu)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -45,5 +47,21 @@ done
 stage "Python tests (pytest, tests/python), against build/release/src/libflare.so"
 py=$(scripts/python-env.sh)  # a Python with the pinned tests/python/requirements.txt
 FLARE_LIBRARY="$PWD/build/release/src/libflare.so" HF_HUB_OFFLINE=1 "$py" -m pytest tests/python -q -p no:cacheprovider
+
+if command -v nvcc >/dev/null 2>&1; then
+  stage "CUDA sources: compile check (FLARE_HEADDIMS=64, FLARE_ARCHS=80, both passes)"
+  scripts/ensure-cutlass.sh
+  cmake -S . -B build/cuda-check -DCMAKE_BUILD_TYPE=Release -DFLARE_ENABLE_CUDA=ON -DFLARE_HEADDIMS=64 \
+        -DFLARE_ARCHS=80 -DFLARE_BUILD_TESTS=OFF -DFLARE_BUILD_TOOLS=OFF
+  cmake --build build/cuda-check -j"$jobs"
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    stage "GPU tests (tests/gpu: pytest suite and compute-sanitizer), CUDA build for this GPU"
+    cmake --preset cuda -DFLARE_ARCHS=native -DFLARE_BUILD_TESTS=OFF
+    cmake --build build/cuda -j"$jobs"
+    FLARE_LIBRARY="$PWD/build/cuda/src/libflare.so" PYTHON="$py" tests/gpu/run.sh tests sanitize
+  fi
+else
+  stage "CUDA sources: skipped (no nvcc on this machine)"
+fi
 
 stage "all tests passed"

@@ -159,7 +159,8 @@ struct Sequence {
   int64_t q_token0;  // first token of the sequence in the varlen token dimension (0 when dense)
   int64_t k_token0;
   int len_q;
-  int len_k;
+  int len_k;         // keys attended: the sequence's keys, cut to seqused_k[b] when given
+  int len_k_stored;  // keys the tensors hold for this sequence (dK/dV rows to write; zeros past len_k)
 
   __device__ __forceinline__ Sequence(AttnParams const& p, int b) {
     if (p.cu_seqlens_q != nullptr) {
@@ -173,6 +174,7 @@ struct Sequence {
       len_q = p.seqlen_q;
       len_k = p.seqlen_k;
     }
+    len_k_stored = len_k;
     if (p.seqused_k != nullptr) len_k = min(len_k, p.seqused_k[b]);
   }
 

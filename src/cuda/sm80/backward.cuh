@@ -96,7 +96,8 @@ __global__ void __launch_bounds__(T::kThreads) backward_kernel(const __grid_cons
   const int b = blockIdx.z;
   const int tid = threadIdx.x;
   const Sequence seq(p, b);
-  const int n_blocks = (seq.len_k + kBlockN - 1) / kBlockN;
+  // Key tiles past seqused_k still run: their dK and dV rows are written as zeros.
+  const int n_blocks = (seq.len_k_stored + kBlockN - 1) / kBlockN;
   if (static_cast<int>(blockIdx.x) >= n_blocks) return;
   const int group = p.nheads / p.nheads_k;
   const int hk = h / group;
@@ -212,7 +213,8 @@ __global__ void __launch_bounds__(T::kThreads) backward_kernel(const __grid_cons
     // The query tiles whose rows see any key of this tile.
     const policy::KeyRange qs = shape.mask.queries_of_keys(n0, min(n0 + kBlockN, seq.len_k));
     const int64_t q_first = max<int64_t>(qs.first, 0);
-    const int64_t q_last = min<int64_t>(qs.last, seq.len_q - 1);
+    // No query sees a tile that starts at or past the used keys.
+    const int64_t q_last = n0 < seq.len_k ? min<int64_t>(qs.last, seq.len_q - 1) : -1;
     const int m_first = q_last >= q_first ? static_cast<int>(q_first / kBlockM) : 0;
     const int m_last = q_last >= q_first ? static_cast<int>(q_last / kBlockM) + 1 : 0;
 
@@ -338,8 +340,9 @@ __global__ void __launch_bounds__(T::kThreads) backward_kernel(const __grid_cons
       auto sthr = gstore.get_thread_slice(tid);
       Tensor gdK = local_tile(gmem(p.dk, seq.k_offset(p.dk, b, h), seq.len_k), TileN{}, make_coord(n_block, 0));
       Tensor gdV = local_tile(gmem(p.dv, seq.k_offset(p.dv, b, h), seq.len_k), TileN{}, make_coord(n_block, 0));
-      copy_rows<false>(gstore, sthr.partition_S(sdK), sthr.partition_D(gdK), tKcK, k_rows, p.headdim);
-      copy_rows<false>(gstore, sthr.partition_S(sdV), sthr.partition_D(gdV), tKcK, k_rows, p.headdim_v);
+      const int rows_out = seq.len_k_stored - n0;
+      copy_rows<false>(gstore, sthr.partition_S(sdK), sthr.partition_D(gdK), tKcK, rows_out, p.headdim);
+      copy_rows<false>(gstore, sthr.partition_S(sdV), sthr.partition_D(gdV), tKcK, rows_out, p.headdim_v);
     } else {
       const int64_t row0 = h * p.k_rows + k_row0 + n0 + kv_coords.row_base;
       float* dk = p.dk_accum + row0 * kHeadDim + kv_coords.col_base;
@@ -387,7 +390,7 @@ __global__ void __launch_bounds__(256) dkv_reduce_kernel(const __grid_constant__
   Element* dk = static_cast<Element*>(p.dk.ptr) + seq.k_offset(p.dk, b, hk);
   Element* dv = static_cast<Element*>(p.dv.ptr) + seq.k_offset(p.dv, b, hk);
   const int width = max(p.headdim, p.headdim_v);
-  const int j_end = min(seq.len_k, (blockIdx.x + 1) * kRowsPerCta);
+  const int j_end = min(seq.len_k_stored, (blockIdx.x + 1) * kRowsPerCta);
   for (int idx = threadIdx.x; idx < kRowsPerCta * width; idx += blockDim.x) {
     const int j = blockIdx.x * kRowsPerCta + idx / width;
     const int c = idx % width;
