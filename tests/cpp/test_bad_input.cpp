@@ -360,7 +360,9 @@ TEST(BadInput, InvalidDevice) {
 }
 
 TEST(BadInput, CudaTensorsWithoutCudaBackend) {
-  ASSERT_EQ(flare_has_cuda(), 0);
+  if (flare_has_cuda() != 0) {
+    GTEST_SKIP() << "this build has the CUDA backend: CUDA tensors are checked by the GPU suite (tests/gpu)";
+  }
   for_fwd_entries([](FwdCase& c, auto call) {
     move_all({&c.params.q, &c.params.k, &c.params.v, &c.params.out, &c.params.softmax_lse,
               &c.params.cu_seqlens_q, &c.params.cu_seqlens_k}, kCuda0);

@@ -223,7 +223,7 @@ TEST(CppApi, IntrospectionMatchesC) {
   EXPECT_EQ(flare::version(), version);
   EXPECT_EQ(flare::cpu_isa(), flare_cpu_isa());
   EXPECT_FALSE(flare::cpu_isa().empty());
-  EXPECT_FALSE(flare::has_cuda());
+  EXPECT_EQ(flare::has_cuda(), flare_has_cuda() == 1);
   EXPECT_STREQ(flare_status_string(FLARE_OK), "FLARE_OK");
   EXPECT_STREQ(flare_status_string(FLARE_OUT_OF_MEMORY), "FLARE_OUT_OF_MEMORY");
   EXPECT_STREQ(flare_status_string(static_cast<flare_status>(77)), "FLARE_UNKNOWN_STATUS");
