@@ -325,6 +325,9 @@ __global__ void __launch_bounds__(T::kThreads) backward_kernel(const __grid_cons
     Tensor coord_kv = KvCoords::offsets();
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dk); ++i) acc_dk(i) *= p.scale;
+    // Nothing may still be landing in shared memory: with no query tile to visit, the loop never waited
+    // for the K and V copies (and the next key tile, in deterministic mode, reuses the buffers).
+    cp_async_wait<0>();
     if (group == 1) {
       __syncthreads();  // shared memory is reused for the output tiles
       Tensor sdK = make_tensor(make_smem_ptr(k_base), typename T::SmemLayoutKV{});

@@ -187,7 +187,10 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
   Tensor sO = make_tensor(sQ.data(), typename T::SmemLayoutQ{});
   auto copy_o = make_tiled_copy_C(typename T::SmemCopyAtomO{}, mma);
   auto thr_copy_o = copy_o.get_thread_slice(tid);
-  __syncthreads();  // every warp is done with sQ and sV
+  // Nothing may still be landing in shared memory (with no key tile to visit, the loop never waited for
+  // the Q copy), and every warp is done with sQ and sV.
+  cp_async_wait<0>();
+  __syncthreads();
   copy(copy_o, thr_copy_o.retile_S(o_elem), thr_copy_o.partition_D(sO));
   __syncthreads();
   typename T::GmemStore gstore;
