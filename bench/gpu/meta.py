@@ -25,7 +25,10 @@ def prefer_cuda_build():
 
 
 def git_commit():
-    """(sha, dirty): git's answer, else FLARE_COMMIT (dirty unknown: None), else ("unknown", None)."""
+    """(sha, dirty): FLARE_COMMIT when set (the GPU machine's copy of the tree may carry a stale .git, so the
+    caller's word wins; dirty unknown: None), else git's answer, else ("unknown", None)."""
+    if os.environ.get("FLARE_COMMIT"):
+        return os.environ["FLARE_COMMIT"], None
     try:
         sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
                              check=True).stdout.strip()
