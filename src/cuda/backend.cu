@@ -121,7 +121,7 @@ flare_status smem_too_small(const char* pass, int tile, int needed, int have) {
                                      " bytes of shared memory per block but this GPU allows ", have));
 }
 
-void fill_attn(const Problem& p, int tile, AttnParams* a) {
+void fill_attn(const Problem& p, AttnParams* a) {
   auto op = [](const detail::Operand& o) { return Tensor3{o.data, o.batch_stride, o.row_stride, o.head_stride}; };
   a->q = op(p.q);
   a->k = op(p.k);
@@ -151,11 +151,12 @@ void fill_attn(const Problem& p, int tile, AttnParams* a) {
   a->window_right = clamp_window(p.score.window_right);
   a->alibi_slopes = p.score.alibi_slopes;
   a->alibi_batch_stride = p.score.alibi_batch_stride;
-  (void)tile;
 }
 
-template <class F>
-cudaError_t by_tile(flare_dtype dtype, int tile, F&& f) {
+// Calls f.template operator()<dtype, tile>() for the call's dtype and head-dim tile; `fallback` for a tile
+// this build lacks (unreachable: check_problem only picks built tiles).
+template <class R, class F>
+R by_tile(flare_dtype dtype, int tile, R fallback, F&& f) {
   switch (tile) {
 #define FLARE_TILE_CASE(d)                                                                 \
   case d:                                                                                  \
@@ -167,23 +168,7 @@ cudaError_t by_tile(flare_dtype dtype, int tile, F&& f) {
     FLARE_FOR_EACH_TILE(FLARE_TILE_CASE)
 #undef FLARE_TILE_CASE
   }
-  return cudaErrorInvalidValue;  // unreachable: check_problem picked a built tile
-}
-
-template <class F>
-int by_tile_int(flare_dtype dtype, int tile, F&& f) {
-  switch (tile) {
-#define FLARE_TILE_CASE(d)                                                                 \
-  case d:                                                                                  \
-    if constexpr (FLARE_HAS_HEADDIM_##d) {                                                 \
-      return dtype == FLARE_DTYPE_F16 ? f.template operator()<FLARE_DTYPE_F16, d>()        \
-                                      : f.template operator()<FLARE_DTYPE_BF16, d>();      \
-    }                                                                                      \
-    break;
-    FLARE_FOR_EACH_TILE(FLARE_TILE_CASE)
-#undef FLARE_TILE_CASE
-  }
-  return 0;
+  return fallback;
 }
 
 // ---- the backward workspace ---------------------------------------------------------------------------------
@@ -231,13 +216,14 @@ flare_status forward(const Problem& p) {
   if (flare_status s = check_problem(p, "the forward", &tile, &smem_optin); s != FLARE_OK) return s;
   DeviceGuard guard(p.device.index);
   if (guard.status() != cudaSuccess) return cuda_fail(guard.status(), "cudaSetDevice");
-  const int smem = by_tile_int(p.dtype, tile, []<flare_dtype D, int d>() { return sm80::forward_smem_bytes<D, d>(); });
+  const int smem = by_tile(p.dtype, tile, 0, [&]<flare_dtype D, int d>() { return sm80::forward_smem_bytes<D, d>(); });
   if (smem > smem_optin) return smem_too_small("forward", tile, smem, smem_optin);
   if (p.batch == 0 || p.seqlen_q == 0 || p.nheads == 0) return FLARE_OK;
   AttnParams a;
-  fill_attn(p, tile, &a);
+  fill_attn(p, &a);
   auto stream = static_cast<cudaStream_t>(p.stream);
-  const cudaError_t e = by_tile(p.dtype, tile, [&]<flare_dtype D, int d>() { return sm80::run_forward<D, d>(a, stream); });
+  const cudaError_t e = by_tile(p.dtype, tile, cudaErrorInvalidValue,
+                                [&]<flare_dtype D, int d>() { return sm80::run_forward<D, d>(a, stream); });
   if (e != cudaSuccess) return cuda_fail(e, "launching the forward kernel");
   return FLARE_OK;
 }
@@ -248,7 +234,7 @@ flare_status workspace_size(const Problem& p, size_t* bytes) {
   int smem_optin = 0;
   int tile = 0;
   if (flare_status s = check_problem(p, "the backward", &tile, &smem_optin); s != FLARE_OK) return s;
-  const int block_n = by_tile_int(p.dtype, tile, []<flare_dtype D, int d>() { return sm80::backward_block_n<D, d>(); });
+  const int block_n = by_tile(p.dtype, tile, 0, [&]<flare_dtype D, int d>() { return sm80::backward_block_n<D, d>(); });
   *bytes = bwd_layout(p, tile, block_n, sm_count(p.device.index)).total();
   return FLARE_OK;
 }
@@ -259,11 +245,11 @@ flare_status backward(const Problem& p) {
   if (flare_status s = check_problem(p, "the backward", &tile, &smem_optin); s != FLARE_OK) return s;
   DeviceGuard guard(p.device.index);
   if (guard.status() != cudaSuccess) return cuda_fail(guard.status(), "cudaSetDevice");
-  const int smem = by_tile_int(p.dtype, tile, []<flare_dtype D, int d>() { return sm80::backward_smem_bytes<D, d>(); });
+  const int smem = by_tile(p.dtype, tile, 0, [&]<flare_dtype D, int d>() { return sm80::backward_smem_bytes<D, d>(); });
   if (smem > smem_optin) return smem_too_small("backward", tile, smem, smem_optin);
   auto stream = static_cast<cudaStream_t>(p.stream);
 
-  const int block_n = by_tile_int(p.dtype, tile, []<flare_dtype D, int d>() { return sm80::backward_block_n<D, d>(); });
+  const int block_n = by_tile(p.dtype, tile, 0, [&]<flare_dtype D, int d>() { return sm80::backward_block_n<D, d>(); });
   const BwdLayout l = bwd_layout(p, tile, block_n, sm_count(p.device.index));
   if (p.workspace != nullptr && p.workspace_size < l.total()) {
     return fail(FLARE_OUT_OF_MEMORY, cat("exec.workspace_size is ", p.workspace_size, " bytes but this call "
@@ -283,7 +269,7 @@ flare_status backward(const Problem& p) {
   }
   char* w = static_cast<char*>(ws);
   BwdParams b;
-  fill_attn(p, tile, &b);
+  fill_attn(p, &b);
   auto op = [](const detail::Operand& o) { return Tensor3{o.data, o.batch_stride, o.row_stride, o.head_stride}; };
   b.dout = op(p.dout);
   b.dq = op(p.dq);
@@ -305,7 +291,8 @@ flare_status backward(const Problem& p) {
 
   cudaError_t e = cudaMemsetAsync(b.dq_accum, 0, l.dq, stream);
   if (e == cudaSuccess) {
-    e = by_tile(p.dtype, tile, [&]<flare_dtype D, int d>() { return sm80::run_backward<D, d>(b, stream); });
+    e = by_tile(p.dtype, tile, cudaErrorInvalidValue,
+                [&]<flare_dtype D, int d>() { return sm80::run_backward<D, d>(b, stream); });
   }
   if (owned) {
     const cudaError_t f = cudaFreeAsync(ws, stream);

@@ -97,7 +97,9 @@ __device__ __forceinline__ void shape_scores(S& s, C const& coord, int m0, int n
         if (sh.softcap > 0.f) {
           const float t = tanh_fast(x * sh.softcap_inv);
           x = sh.softcap * t;
-          if constexpr (!std::is_same_v<DT, std::nullptr_t>) (*dtanh)(mi, ni) = static_cast<typename DT::value_type>(1.f - t * t);
+          if constexpr (!std::is_same_v<DT, std::nullptr_t>) {
+            (*dtanh)(mi, ni) = static_cast<typename DT::value_type>(1.f - t * t);
+          }
         }
         if (sh.slope != 0.f) x += policy::alibi_bias(sh.slope, diag, j);
         x *= kLog2e;

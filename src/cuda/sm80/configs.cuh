@@ -19,7 +19,8 @@ namespace flare::cuda::sm80 {
 // tiles waste less work on the diagonal (head dims <= 64 only; larger ones use one shape for both).
 template <class Element, int kHeadDim, bool kWindowed>
 struct FwdConfigOf {
-  static constexpr int kBlockN = kHeadDim <= 64 ? (kWindowed ? 64 : 128) : kHeadDim <= 96 ? 64 : kHeadDim <= 128 ? 32 : 64;
+  static constexpr int kBlockN =
+      kHeadDim <= 64 ? (kWindowed ? 64 : 128) : kHeadDim <= 96 ? 64 : kHeadDim <= 128 ? 32 : 64;
   static constexpr int kWarps = kHeadDim <= 128 ? 4 : 8;
   using type = FwdTraits<Element, kHeadDim, 128, kBlockN, kWarps>;
 };
@@ -30,7 +31,9 @@ using FwdConfig = typename FwdConfigOf<Element, kHeadDim, kWindowed>::type;
 template <class Element, int kHeadDim>
 cudaError_t launch_forward_for(AttnParams const& p, cudaStream_t stream) {
   if constexpr (kHeadDim <= 64) {
-    if (p.window_left >= 0 || p.window_right >= 0) return launch_forward<FwdConfig<Element, kHeadDim, true>>(p, stream);
+    if (p.window_left >= 0 || p.window_right >= 0) {
+      return launch_forward<FwdConfig<Element, kHeadDim, true>>(p, stream);
+    }
   }
   return launch_forward<FwdConfig<Element, kHeadDim, false>>(p, stream);
 }
