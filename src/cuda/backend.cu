@@ -99,19 +99,26 @@ flare_status check_problem(const Problem& p, const char* pass, int* tile_out, in
     return fail(FLARE_UNSUPPORTED, cat("head dim ", needed, " has no kernel in this build (head-dim tiles built: ",
                                 built_tiles(), "; configure with FLARE_HEADDIMS to add tiles)"));
   }
-  cudaDeviceProp prop;
-  if (cudaError_t e = cudaGetDeviceProperties(&prop, p.device.index); e != cudaSuccess) {
-    return cuda_fail(e, "cudaGetDeviceProperties");
+  // Attributes, not cudaGetDeviceProperties: that one queries everything and costs far more per call.
+  int major = 0, minor = 0, smem = 0;
+  for (auto [attr, out] : {std::pair{cudaDevAttrComputeCapabilityMajor, &major},
+                           std::pair{cudaDevAttrComputeCapabilityMinor, &minor},
+                           std::pair{cudaDevAttrMaxSharedMemoryPerBlockOptin, &smem}}) {
+    if (cudaError_t e = cudaDeviceGetAttribute(out, attr, p.device.index); e != cudaSuccess) {
+      return cuda_fail(e, "cudaDeviceGetAttribute");
+    }
   }
-  if (prop.major < 8) {
-    return fail(FLARE_UNSUPPORTED, cat("cuda:", p.device.index, " (", prop.name, ") is sm_", prop.major, prop.minor,
-                                ": flare's CUDA kernels need sm_80 or newer (Ampere, Ada, Hopper)"));
+  if (major < 8) {
+    cudaDeviceProp prop{};
+    const bool named = cudaGetDeviceProperties(&prop, p.device.index) == cudaSuccess;
+    return fail(FLARE_UNSUPPORTED, cat("cuda:", p.device.index, " (", named ? prop.name : "?", ") is sm_", major,
+                                       minor, ": flare's CUDA kernels need sm_80 or newer (Ampere, Ada, Hopper)"));
   }
   if (p.batch > 65535) {
     return fail(FLARE_UNSUPPORTED, cat("batch is ", p.batch, ": the CUDA path takes at most 65535 sequences "
                                        "per call; split the batch"));
   }
-  *smem_optin = static_cast<int>(prop.sharedMemPerBlockOptin);
+  *smem_optin = smem;
   *tile_out = tile;
   return FLARE_OK;
 }
