@@ -200,7 +200,8 @@ BwdLayout bwd_layout(const Problem& p, int tile, int block_n, int num_sms) {
   if (p.deterministic) {
     // Enough CTAs to fill the GPU twice over, at most 8 dq buffers (memory), at most one per key tile.
     const int64_t n_blocks = (p.seqlen_k + block_n - 1) / block_n;
-    const int64_t want = (2 * int64_t{num_sms} + p.batch * p.nheads - 1) / (p.batch * p.nheads);
+    const int64_t heads = std::max<int64_t>(1, p.batch * p.nheads);
+    const int64_t want = (2 * int64_t{num_sms} + heads - 1) / heads;
     l.splits = static_cast<int>(std::clamp<int64_t>(std::min(want, n_blocks), 1, 8));
   }
   l.dsum = align256(sizeof(float) * p.nheads * l.q_rows);
@@ -258,6 +259,10 @@ flare_status backward(const Problem& p) {
 
   const int block_n = by_tile(p.dtype, tile, 0, [&]<flare_dtype D, int d>() { return sm80::backward_block_n<D, d>(); });
   const BwdLayout l = bwd_layout(p, tile, block_n, sm_count(p.device.index));
+  if (p.workspace != nullptr && reinterpret_cast<uintptr_t>(p.workspace) % 256 != 0) {
+    return fail(FLARE_INVALID_ARGUMENT, "exec.workspace is not 256-byte aligned: the CUDA backward lays its fp32 "
+                                        "buffers out from it (cudaMalloc and torch allocations are)");
+  }
   if (p.workspace != nullptr && p.workspace_size < l.total()) {
     return fail(FLARE_OUT_OF_MEMORY, cat("exec.workspace_size is ", p.workspace_size, " bytes but this call "
                                          "needs ", l.total(), " bytes (see flare_bwd_workspace_size)"));
