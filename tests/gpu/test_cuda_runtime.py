@@ -349,3 +349,50 @@ def test_other_dtypes(dtype):
                         {"q": q, "k": q, "v": q, "dout": None, "slopes": None}, backward=False)
         torch.testing.assert_close(out.float(), ref["out"].float(), rtol=1e-4, atol=1e-4)
 
+
+
+@cuda_only
+def test_backward_workspace_rules():
+    """The backward's caller workspace: too small -> FLARE_OUT_OF_MEMORY naming both sizes; not 256-byte
+    aligned -> FLARE_INVALID_ARGUMENT; NULL -> flare's own stream-ordered allocation, same result. Nothing
+    written on failure."""
+    case = Case(batch=2, seqlen_q=77, seqlen_k=130, nheads=4, nheads_k=2, headdim=64, causal=True)
+    inputs = make_inputs(case)
+    out, lse, _ = run_flare(case, inputs, backward=False)
+    lib = _capi.library()
+    tv = _capi.tensor_view
+
+    def params(dq, dk, dv):
+        p = lib.bwd_params()
+        p.q, p.k, p.v = (tv(inputs[n].detach()) for n in ("q", "k", "v"))
+        p.out, p.dout, p.softmax_lse = tv(out.detach()), tv(inputs["dout"]), tv(lse)
+        p.dq, p.dk, p.dv = tv(dq), tv(dk), tv(dv)
+        p.attn, keep = ops._attn_options(inputs["q"], 0.0, True, -1, -1, 0.0, None)
+        p.exec = ops._exec_options(inputs["q"])
+        return p, keep
+
+    grads = [torch.full_like(inputs[n], float("nan")) for n in ("q", "k", "v")]
+    p, keep = params(*grads)
+    need = lib.bwd_workspace_size(p, False)
+    assert need > 0
+    ws = torch.empty(need + 512, dtype=torch.uint8, device="cuda")
+    p.exec.workspace, p.exec.workspace_size = ws.data_ptr(), need - 1
+    with pytest.raises(MemoryError, match=str(need)):
+        lib.bwd(p)
+    p.exec.workspace, p.exec.workspace_size = ws.data_ptr() + 4, need
+    with pytest.raises(ValueError, match="256-byte aligned"):
+        lib.bwd(p)
+    torch.cuda.synchronize()
+    assert all(bool(torch.isnan(g).all()) for g in grads), "a failed call wrote gradients"
+
+    p.exec.workspace, p.exec.workspace_size = ws.data_ptr(), need
+    lib.bwd(p)
+    with_ws = [g.clone() for g in grads]
+    fresh = [torch.full_like(g, float("nan")) for g in grads]
+    p2, keep2 = params(*fresh)
+    lib.bwd(p2)  # NULL workspace: flare allocates
+    torch.cuda.synchronize()
+    for a, b in zip(with_ws, fresh):
+        assert bool(torch.isfinite(a).all())
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    del keep, keep2
