@@ -1,0 +1,178 @@
+// cuda_variants — times tile-shape variants of the sm80 kernels side by side, for tuning
+// src/cuda/sm80/configs.cuh. It launches the kernels directly (no C ABI, no checks) on the benchmark
+// protocol's shapes (16384 tokens, width 2048, bf16) and prints TFLOP/s per variant; correctness stays the
+// GPU suite's job (tests/gpu). Not built by default:
+//   cmake --build build/cuda --target flare_cuda_variants && build/cuda/tools/flare_cuda_variants
+// Add a variant: one line in main() with the traits to try; ptxas' spill report for it comes with
+// -DCMAKE_CUDA_FLAGS="-Xptxas -v".
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <type_traits>
+#include <vector>
+
+#include "cuda/sm80/configs.cuh"
+
+namespace flare::tools {  // named: nvcc's host stubs cannot name kernels in an anonymous namespace
+
+using namespace flare::cuda;
+using namespace flare::cuda::sm80;
+using bf16 = cutlass::bfloat16_t;
+
+constexpr int kTokens = 16384;
+constexpr int kWidth = 2048;
+
+__global__ void fill_random(bf16* p, size_t n, unsigned seed) {
+  const size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x;
+  if (i >= n) return;
+  unsigned x = static_cast<unsigned>(i * 2654435761u) ^ seed;
+  x ^= x >> 13;
+  x *= 0x5bd1e995u;
+  x ^= x >> 15;
+  p[i] = bf16(((x & 0xffff) / 65536.f - 0.5f) * 3.f);
+}
+
+struct Buffers {
+  bf16 *q, *k, *v, *out, *dout, *dq, *dk, *dv;
+  float *lse, *workspace;
+};
+
+double flops(const AttnParams& p, double factor) {
+  const bool causal = p.window_right == 0;
+  return factor * 4.0 * p.batch * p.nheads * double(p.seqlen_q) * p.seqlen_k * p.headdim / (causal ? 2 : 1);
+}
+
+template <class Launch>
+double median_ms(Launch&& launch, int reps) {
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  std::vector<float> times;
+  for (int it = 0; it < reps + 3; ++it) {
+    cudaEventRecord(a);
+    launch();
+    cudaEventRecord(b);
+    cudaEventSynchronize(b);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    if (it >= 3) times.push_back(ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+AttnParams dense(int headdim, int seqlen, bool causal, const Buffers& bufs) {
+  AttnParams p;
+  const int batch = kTokens / seqlen, heads = kWidth / headdim;
+  auto operand = [&](void* ptr) {
+    return Tensor3{ptr, int64_t{seqlen} * heads * headdim, int64_t{heads} * headdim, headdim};
+  };
+  p.q = operand(bufs.q);
+  p.k = operand(bufs.k);
+  p.v = operand(bufs.v);
+  p.out = operand(bufs.out);
+  p.lse = bufs.lse;
+  p.lse_batch_stride = int64_t{heads} * seqlen;
+  p.lse_head_stride = seqlen;
+  p.batch = batch;
+  p.nheads = p.nheads_k = heads;
+  p.headdim = p.headdim_v = headdim;
+  p.seqlen_q = p.seqlen_k = seqlen;
+  p.scale = 1.f / std::sqrt(float(headdim));
+  p.scale_log2 = p.scale * 1.4426950408889634f;
+  p.window_right = causal ? 0 : -1;
+  return p;
+}
+
+BwdParams dense_bwd(int headdim, int seqlen, bool causal, const Buffers& bufs) {
+  BwdParams p;
+  static_cast<AttnParams&>(p) = dense(headdim, seqlen, causal, bufs);
+  auto operand = [&](void* ptr) {
+    return Tensor3{ptr, int64_t{seqlen} * p.nheads * headdim, int64_t{p.nheads} * headdim, headdim};
+  };
+  p.dout = operand(bufs.dout);
+  p.dq = operand(bufs.dq);
+  p.dk = operand(bufs.dk);
+  p.dv = operand(bufs.dv);
+  p.seqlen_q_rounded = p.seqlen_k_rounded = (seqlen + kRowPad - 1) / kRowPad * kRowPad;
+  p.q_rows = p.k_rows = int64_t{p.batch} * p.seqlen_q_rounded;
+  p.headdim_rounded = headdim;
+  p.dsum = bufs.workspace;
+  p.dq_accum = bufs.workspace + int64_t{p.nheads} * p.q_rows;
+  return p;
+}
+
+// The shipped forward of a head dim: the configuration launch_forward_for picks for the call's mask.
+template <class Element, int kHeadDim>
+struct Shipped {};
+
+template <class T>
+struct ShippedOf : std::false_type {};
+template <class E, int D>
+struct ShippedOf<Shipped<E, D>> : std::true_type {
+  using Element = E;
+  static constexpr int kHeadDim = D;
+};
+
+template <class Fwd>
+void run_forward(const AttnParams& p) {
+  if constexpr (ShippedOf<Fwd>::value) {
+    launch_forward_for<typename ShippedOf<Fwd>::Element, ShippedOf<Fwd>::kHeadDim>(p, nullptr);
+  } else {
+    launch_forward<Fwd>(p, nullptr);
+  }
+}
+
+// The forward runs first: the backward needs its out and lse.
+template <class Fwd, class Bwd = void>
+void time_variant(const char* name, int headdim, int seqlen, bool causal, const Buffers& bufs) {
+  const AttnParams p = dense(headdim, seqlen, causal, bufs);
+  const double fwd = median_ms([&] { run_forward<Fwd>(p); }, 20);
+  std::printf("%-34s hd %3d seqlen %5d %-9s fwd %6.0f TFLOP/s", name, headdim, seqlen,
+              causal ? "causal" : "full", flops(p, 1) / fwd * 1e-9);
+  if constexpr (!std::is_void_v<Bwd>) {
+    const BwdParams b = dense_bwd(headdim, seqlen, causal, bufs);
+    const size_t dq_bytes = sizeof(float) * size_t(b.nheads) * b.q_rows * b.headdim_rounded;
+    const double bwd = median_ms([&] {
+      cudaMemsetAsync(b.dq_accum, 0, dq_bytes, nullptr);
+      launch_backward<Bwd>(b, nullptr);
+    }, 10);
+    std::printf("   bwd %6.0f TFLOP/s", flops(p, 2.5) / bwd * 1e-9);
+  }
+  const cudaError_t e = cudaDeviceSynchronize();
+  std::printf("%s\n", e == cudaSuccess ? "" : cudaGetErrorString(e));
+}
+
+}  // namespace flare::tools
+
+int main() {
+  using namespace flare::tools;
+  Buffers bufs{};
+  const size_t n = size_t{kTokens} * kWidth;
+  for (bf16** p : {&bufs.q, &bufs.k, &bufs.v, &bufs.out, &bufs.dout, &bufs.dq, &bufs.dk, &bufs.dv}) {
+    if (cudaMalloc(p, n * sizeof(bf16)) != cudaSuccess) {
+      std::fprintf(stderr, "cudaMalloc failed\n");
+      return 1;
+    }
+    fill_random<<<(n + 255) / 256, 256>>>(*p, n, static_cast<unsigned>(p - &bufs.q));
+  }
+  cudaMalloc(&bufs.lse, sizeof(float) * kTokens * 64);
+  cudaMalloc(&bufs.workspace, sizeof(float) * (n + size_t{kTokens} * 64) + (1 << 20));
+
+  for (bool causal : {false, true}) {
+    for (int seqlen : {1024, 8192}) {
+      // The shipped configurations, then the alternatives under study.
+      time_variant<Shipped<bf16, 64>, BwdConfig<bf16, 64>>("hd64 shipped", 64, seqlen, causal, bufs);
+      time_variant<FwdTraits<bf16, 64, 128, 64, 4>>("hd64 fwd 128x64, 4 warps", 64, seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 128>, BwdConfig<bf16, 128>>("hd128 shipped", 128, seqlen, causal, bufs);
+      time_variant<FwdTraits<bf16, 128, 128, 64, 4>, BwdTraits<bf16, 128, 64, 128, 8, 2, 2, 2>>(
+          "hd128 fwd 128x64 / bwd atoms 2-2-2", 128, seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 256>, BwdConfig<bf16, 256>>("hd256 shipped", 256, seqlen, causal, bufs);
+    }
+  }
+  return 0;
+}
