@@ -61,8 +61,29 @@ flare_status cuda_fail(cudaError_t e, const char* what) {
   return fail(FLARE_CUDA_ERROR, cat(what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")"));
 }
 
-// What the GPU path needs beyond the C ABI's rules; picks the head-dim tile.
-flare_status check_problem(const Problem& p, const char* pass, int* tile_out, int* smem_optin) {
+// Calls f.template operator()<dtype, tile>() for the call's dtype and head-dim tile; `fallback` for a tile
+// this build lacks (unreachable: check_problem only picks built tiles).
+template <class R, class F>
+R by_tile(flare_dtype dtype, int tile, R fallback, F&& f) {
+  switch (tile) {
+#define FLARE_TILE_CASE(d)                                                                 \
+  case d:                                                                                  \
+    if constexpr (FLARE_HAS_HEADDIM_##d) {                                                 \
+      return dtype == FLARE_DTYPE_F16 ? f.template operator()<FLARE_DTYPE_F16, d>()        \
+                                      : f.template operator()<FLARE_DTYPE_BF16, d>();      \
+    }                                                                                      \
+    break;
+    FLARE_FOR_EACH_TILE(FLARE_TILE_CASE)
+#undef FLARE_TILE_CASE
+  }
+  return fallback;
+}
+
+// What the GPU path needs beyond the C ABI's rules, for the problem's pass (forward or backward): picks the
+// head-dim tile and checks that its kernel fits the GPU's shared memory.
+flare_status check_problem(const Problem& p, int* tile_out) {
+  const bool bwd = p.pass == detail::Pass::kBackward;
+  const char* pass = bwd ? "the backward" : "the forward";
   if (p.dtype != FLARE_DTYPE_F16 && p.dtype != FLARE_DTYPE_BF16) {
     return fail(FLARE_UNSUPPORTED, cat(pass, " on CUDA takes fp16 or bf16 tensors (dtype ", p.dtype,
                                 "): convert fp32 inputs to bf16/fp16, or run on the CPU"));
@@ -118,22 +139,24 @@ flare_status check_problem(const Problem& p, const char* pass, int* tile_out, in
     return fail(FLARE_UNSUPPORTED, cat("batch is ", p.batch, ": the CUDA path takes at most 65535 sequences "
                                        "per call; split the batch"));
   }
-  *smem_optin = smem;
+  const int smem_needed = by_tile(p.dtype, tile, 0, [&]<flare_dtype D, int d>() {
+    return bwd ? sm80::backward_smem_bytes<D, d>() : sm80::forward_smem_bytes<D, d>();
+  });
+  if (smem_needed > smem) {
+    return fail(FLARE_UNSUPPORTED, cat(pass, " kernel for head dim tile ", tile, " needs ", smem_needed,
+                                       " bytes of shared memory per block but this GPU allows ", smem));
+  }
   *tile_out = tile;
   return FLARE_OK;
 }
 
-flare_status smem_too_small(const char* pass, int tile, int needed, int have) {
-  return fail(FLARE_UNSUPPORTED, cat("the ", pass, " kernel for head dim tile ", tile, " needs ", needed,
-                                     " bytes of shared memory per block but this GPU allows ", have));
-}
+Tensor3 tensor3(const detail::Operand& o) { return Tensor3{o.data, o.batch_stride, o.row_stride, o.head_stride}; }
 
 void fill_attn(const Problem& p, AttnParams* a) {
-  auto op = [](const detail::Operand& o) { return Tensor3{o.data, o.batch_stride, o.row_stride, o.head_stride}; };
-  a->q = op(p.q);
-  a->k = op(p.k);
-  a->v = op(p.v);
-  a->out = op(p.out);
+  a->q = tensor3(p.q);
+  a->k = tensor3(p.k);
+  a->v = tensor3(p.v);
+  a->out = tensor3(p.out);
   a->lse = p.lse;
   a->lse_batch_stride = p.lse_batch_stride;
   a->lse_head_stride = p.lse_head_stride;
@@ -158,24 +181,6 @@ void fill_attn(const Problem& p, AttnParams* a) {
   a->window_right = clamp_window(p.score.window_right);
   a->alibi_slopes = p.score.alibi_slopes;
   a->alibi_batch_stride = p.score.alibi_batch_stride;
-}
-
-// Calls f.template operator()<dtype, tile>() for the call's dtype and head-dim tile; `fallback` for a tile
-// this build lacks (unreachable: check_problem only picks built tiles).
-template <class R, class F>
-R by_tile(flare_dtype dtype, int tile, R fallback, F&& f) {
-  switch (tile) {
-#define FLARE_TILE_CASE(d)                                                                 \
-  case d:                                                                                  \
-    if constexpr (FLARE_HAS_HEADDIM_##d) {                                                 \
-      return dtype == FLARE_DTYPE_F16 ? f.template operator()<FLARE_DTYPE_F16, d>()        \
-                                      : f.template operator()<FLARE_DTYPE_BF16, d>();      \
-    }                                                                                      \
-    break;
-    FLARE_FOR_EACH_TILE(FLARE_TILE_CASE)
-#undef FLARE_TILE_CASE
-  }
-  return fallback;
 }
 
 // ---- the backward workspace ---------------------------------------------------------------------------------
@@ -219,13 +224,10 @@ int sm_count(int device) {
 }  // namespace
 
 flare_status forward(const Problem& p) {
-  int smem_optin = 0;
   int tile = 0;
-  if (flare_status s = check_problem(p, "the forward", &tile, &smem_optin); s != FLARE_OK) return s;
+  if (flare_status s = check_problem(p, &tile); s != FLARE_OK) return s;
   DeviceGuard guard(p.device.index);
   if (guard.status() != cudaSuccess) return cuda_fail(guard.status(), "cudaSetDevice");
-  const int smem = by_tile(p.dtype, tile, 0, [&]<flare_dtype D, int d>() { return sm80::forward_smem_bytes<D, d>(); });
-  if (smem > smem_optin) return smem_too_small("forward", tile, smem, smem_optin);
   if (p.batch == 0 || p.seqlen_q == 0 || p.nheads == 0) return FLARE_OK;
   AttnParams a;
   fill_attn(p, &a);
@@ -239,22 +241,18 @@ flare_status forward(const Problem& p) {
 flare_status workspace_size(const Problem& p, size_t* bytes) {
   *bytes = 0;
   if (p.pass != detail::Pass::kBackward) return FLARE_OK;
-  int smem_optin = 0;
   int tile = 0;
-  if (flare_status s = check_problem(p, "the backward", &tile, &smem_optin); s != FLARE_OK) return s;
+  if (flare_status s = check_problem(p, &tile); s != FLARE_OK) return s;
   const int block_n = by_tile(p.dtype, tile, 0, [&]<flare_dtype D, int d>() { return sm80::backward_block_n<D, d>(); });
   *bytes = bwd_layout(p, tile, block_n, sm_count(p.device.index)).total();
   return FLARE_OK;
 }
 
 flare_status backward(const Problem& p) {
-  int smem_optin = 0;
   int tile = 0;
-  if (flare_status s = check_problem(p, "the backward", &tile, &smem_optin); s != FLARE_OK) return s;
+  if (flare_status s = check_problem(p, &tile); s != FLARE_OK) return s;
   DeviceGuard guard(p.device.index);
   if (guard.status() != cudaSuccess) return cuda_fail(guard.status(), "cudaSetDevice");
-  const int smem = by_tile(p.dtype, tile, 0, [&]<flare_dtype D, int d>() { return sm80::backward_smem_bytes<D, d>(); });
-  if (smem > smem_optin) return smem_too_small("backward", tile, smem, smem_optin);
   auto stream = static_cast<cudaStream_t>(p.stream);
 
   const int block_n = by_tile(p.dtype, tile, 0, [&]<flare_dtype D, int d>() { return sm80::backward_block_n<D, d>(); });
@@ -282,11 +280,10 @@ flare_status backward(const Problem& p) {
   char* w = static_cast<char*>(ws);
   BwdParams b;
   fill_attn(p, &b);
-  auto op = [](const detail::Operand& o) { return Tensor3{o.data, o.batch_stride, o.row_stride, o.head_stride}; };
-  b.dout = op(p.dout);
-  b.dq = op(p.dq);
-  b.dk = op(p.dk);
-  b.dv = op(p.dv);
+  b.dout = tensor3(p.dout);
+  b.dq = tensor3(p.dq);
+  b.dk = tensor3(p.dk);
+  b.dv = tensor3(p.dv);
   b.dsum = reinterpret_cast<float*>(w);
   b.dq_accum = reinterpret_cast<float*>(w + l.dsum);
   if (l.dkv > 0) {

@@ -73,6 +73,20 @@ __device__ __forceinline__ auto convert_fragment(Tensor<Engine, Layout> const& s
   return dst;
 }
 
+// ---- views -------------------------------------------------------------------------------------------------
+// The (rows x kHeadDim) rows of one (sequence, head) of an operand, starting `offset` elements into it.
+template <class Element, int kHeadDim>
+__device__ __forceinline__ auto gmem_rows(Tensor3 const& t, int64_t offset, int rows) {
+  return make_tensor(make_gmem_ptr(static_cast<Element*>(t.ptr) + offset), make_shape(rows, Int<kHeadDim>{}),
+                     make_stride(t.row_stride, _1{}));
+}
+
+// A tensor with only a shape, for sizing register fragments (partition_fragment_A/B) without a real layout.
+template <class Element, class Shape>
+__device__ __forceinline__ auto shape_only(Shape shape) {
+  return make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)), make_layout(shape, GenRowMajor{}));
+}
+
 // ---- predicated copies -----------------------------------------------------------------------------------
 // Copies a partitioned tile (CPY, M, K) where the coordinates (from an identity tensor partitioned the same
 // way) say the row is < rows and the column < cols; other vectors of the destination are zeroed (clear)

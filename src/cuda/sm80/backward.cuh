@@ -111,12 +111,11 @@ __global__ void __launch_bounds__(T::kThreads) backward_kernel(const __grid_cons
                     ((static_cast<int64_t>(p.deterministic ? blockIdx.x : 0) * p.nheads + h) * p.q_rows + q_row0) *
                         kHeadDim;
 
-  auto gmem = [&](Tensor3 const& t, int64_t offset, int rows) {
-    return make_tensor(make_gmem_ptr(static_cast<Element*>(t.ptr) + offset), make_shape(rows, Int<kHeadDim>{}),
-                       make_stride(t.row_stride, _1{}));
-  };
   using TileM = Shape<Int<kBlockM>, Int<kHeadDim>>;
   using TileN = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  const auto gmem = [](Tensor3 const& t, int64_t offset, int rows) {
+    return gmem_rows<Element, kHeadDim>(t, offset, rows);
+  };
   Tensor gQ = local_tile(gmem(p.q, seq.q_offset(p.q, b, h), seq.len_q), TileM{}, make_coord(_, 0));
   Tensor gdO = local_tile(gmem(p.dout, seq.q_offset(p.dout, b, h), seq.len_q), TileM{}, make_coord(_, 0));
   Tensor gK = local_tile(gmem(p.k, seq.k_offset(p.k, b, hk), seq.len_k), TileN{}, make_coord(_, 0));
@@ -150,9 +149,6 @@ __global__ void __launch_bounds__(T::kThreads) backward_kernel(const __grid_cons
   Tensor tQcQ = gthr.partition_S(make_identity_tensor(TileM{}));
   Tensor tKcK = gthr.partition_S(make_identity_tensor(TileN{}));
 
-  auto shape_only = [](auto shape) {
-    return make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)), make_layout(shape, GenRowMajor{}));
-  };
   typename T::MmaSdP mma_sdp;
   auto thr_sdp = mma_sdp.get_thread_slice(tid);
   typename T::MmadKV mma_dkv;
@@ -161,16 +157,16 @@ __global__ void __launch_bounds__(T::kThreads) backward_kernel(const __grid_cons
   auto thr_dq = mma_dq.get_thread_slice(tid);
 
   // Register fragments of every operand.
-  Tensor rQ = thr_sdp.partition_fragment_A(shape_only(TileM{}));
-  Tensor rK = thr_sdp.partition_fragment_B(shape_only(TileN{}));
-  Tensor rdO = thr_sdp.partition_fragment_A(shape_only(TileM{}));
-  Tensor rV = thr_sdp.partition_fragment_B(shape_only(TileN{}));
-  Tensor rPt = thr_dkv.partition_fragment_A(shape_only(Shape<Int<kBlockN>, Int<kBlockM>>{}));
-  Tensor rdOt = thr_dkv.partition_fragment_B(shape_only(Shape<Int<kHeadDim>, Int<kBlockM>>{}));
-  Tensor rdSt = thr_dkv.partition_fragment_A(shape_only(Shape<Int<kBlockN>, Int<kBlockM>>{}));
-  Tensor rQt = thr_dkv.partition_fragment_B(shape_only(Shape<Int<kHeadDim>, Int<kBlockM>>{}));
-  Tensor rdS = thr_dq.partition_fragment_A(shape_only(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-  Tensor rKt = thr_dq.partition_fragment_B(shape_only(Shape<Int<kHeadDim>, Int<kBlockN>>{}));
+  Tensor rQ = thr_sdp.partition_fragment_A(shape_only<Element>(TileM{}));
+  Tensor rK = thr_sdp.partition_fragment_B(shape_only<Element>(TileN{}));
+  Tensor rdO = thr_sdp.partition_fragment_A(shape_only<Element>(TileM{}));
+  Tensor rV = thr_sdp.partition_fragment_B(shape_only<Element>(TileN{}));
+  Tensor rPt = thr_dkv.partition_fragment_A(shape_only<Element>(Shape<Int<kBlockN>, Int<kBlockM>>{}));
+  Tensor rdOt = thr_dkv.partition_fragment_B(shape_only<Element>(Shape<Int<kHeadDim>, Int<kBlockM>>{}));
+  Tensor rdSt = thr_dkv.partition_fragment_A(shape_only<Element>(Shape<Int<kBlockN>, Int<kBlockM>>{}));
+  Tensor rQt = thr_dkv.partition_fragment_B(shape_only<Element>(Shape<Int<kHeadDim>, Int<kBlockM>>{}));
+  Tensor rdS = thr_dq.partition_fragment_A(shape_only<Element>(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor rKt = thr_dq.partition_fragment_B(shape_only<Element>(Shape<Int<kHeadDim>, Int<kBlockN>>{}));
 
   // Shared -> register copies.
   auto copy_a_sdp = make_tiled_copy_A(typename T::SmemCopyAtom{}, mma_sdp);

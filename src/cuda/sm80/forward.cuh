@@ -38,9 +38,8 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
   shape.key_tiles(m0, min(m0 + kBlockM, seq.len_q), kBlockN, n_first, n_last);
 
   // ---- global and shared views
-  auto gmem = [&](Tensor3 const& t, int64_t offset, int rows) {
-    return make_tensor(make_gmem_ptr(static_cast<Element*>(t.ptr) + offset),
-                       make_shape(rows, Int<kHeadDim>{}), make_stride(t.row_stride, _1{}));
+  const auto gmem = [](Tensor3 const& t, int64_t offset, int rows) {
+    return gmem_rows<Element, kHeadDim>(t, offset, rows);
   };
   Tensor gQ = local_tile(gmem(p.q, seq.q_offset(p.q, b, h), seq.len_q), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                          make_coord(m_block, 0));
@@ -72,12 +71,9 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
   // ---- shared -> registers (ldmatrix) and the MMAs
   typename T::TiledMma mma;
   auto thr_mma = mma.get_thread_slice(tid);
-  auto shape_only = [](auto shape) {
-    return make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)), make_layout(shape, GenRowMajor{}));
-  };
-  Tensor tSrQ = thr_mma.partition_fragment_A(shape_only(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  Tensor tSrK = thr_mma.partition_fragment_B(shape_only(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  Tensor tOrVt = thr_mma.partition_fragment_B(shape_only(Shape<Int<kHeadDim>, Int<kBlockN>>{}));
+  Tensor tSrQ = thr_mma.partition_fragment_A(shape_only<Element>(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tSrK = thr_mma.partition_fragment_B(shape_only<Element>(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  Tensor tOrVt = thr_mma.partition_fragment_B(shape_only<Element>(Shape<Int<kHeadDim>, Int<kBlockN>>{}));
 
   auto copy_q = make_tiled_copy_A(typename T::SmemCopyAtom{}, mma);
   auto thr_copy_q = copy_q.get_thread_slice(tid);
