@@ -5,7 +5,7 @@
 // shared-memory reads of K and V the bottleneck — and 16 per warp (8 warps) beyond, where a 32-row output
 // accumulator alone would exceed the 255-register budget. Key tiles: 128 for head dims <= 64 without a mask
 // (64 with one), 64 at 96, 32 at 128 (64 spilled registers there), 64 beyond. Chosen by timing
-// variants on the H200 (docs/performance.md).
+// variants on the H200 (bench/results/gpu-tuning-2026-12-01.json).
 // Backward: the K/V tile stays in shared memory while query tiles stream (Q and dO double-buffered);
 // key tiles of 128 up to head dim 128, 64 beyond, where dK and dV accumulators grow with the head dim.
 #pragma once
