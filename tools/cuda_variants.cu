@@ -167,11 +167,21 @@ int main() {
     for (int seqlen : {1024, 8192}) {
       // The shipped configurations, then the alternatives under study.
       time_variant<Shipped<bf16, 64>, BwdConfig<bf16, 64>>("hd64 shipped", 64, seqlen, causal, bufs);
-      time_variant<FwdTraits<bf16, 64, 128, 64, 4>>("hd64 fwd 128x64, 4 warps", 64, seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 64>, BwdTraits<bf16, 64, 64, 128, 8, 2, 4, 4>>("hd64 bwd 64x128 atoms 2-4-4", 64,
+                                                                             seqlen, causal, bufs);
       time_variant<Shipped<bf16, 128>, BwdConfig<bf16, 128>>("hd128 shipped", 128, seqlen, causal, bufs);
-      time_variant<FwdTraits<bf16, 128, 128, 64, 4>, BwdTraits<bf16, 128, 64, 128, 8, 2, 2, 2>>(
-          "hd128 fwd 128x64 / bwd atoms 2-2-2", 128, seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 128>, BwdTraits<bf16, 128, 64, 128, 8, 2, 4, 4>>("hd128 bwd atoms 2-4-4", 128,
+                                                                               seqlen, causal, bufs);
       time_variant<Shipped<bf16, 256>, BwdConfig<bf16, 256>>("hd256 shipped", 256, seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 256>, BwdTraits<bf16, 256, 64, 64, 8, 4, 2, 2>>("hd256 bwd atoms 4-2-2", 256,
+                                                                              seqlen, causal, bufs);
+#ifdef FLARE_CUDA_ALL_CONFIGS
+      // The small-shared-memory class (sm_86 / sm_89 shapes), timed on this GPU.
+      time_variant<FwdConfig<bf16, 128, false, SmemClass::kSmall>, BwdConfig<bf16, 128, SmemClass::kSmall>>(
+          "hd128 small class", 128, seqlen, causal, bufs);
+      time_variant<FwdConfig<bf16, 256, false, SmemClass::kSmall>, BwdConfig<bf16, 256, SmemClass::kSmall>>(
+          "hd256 small class", 256, seqlen, causal, bufs);
+#endif
     }
   }
   return 0;

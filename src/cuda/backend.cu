@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 
 #include "api/checks.hpp"
@@ -79,9 +80,28 @@ R by_tile(flare_dtype dtype, int tile, R fallback, F&& f) {
   return fallback;
 }
 
+// The kernels one call runs: its head-dim tile and shared-memory class.
+struct Choice {
+  int tile = 0;
+  SmemClass cls = SmemClass::kLarge;
+};
+
+// The shared memory per block the kernels may use: the device's opt-in limit, or less when the environment
+// sets FLARE_CUDA_SMEM_LIMIT (bytes; tests use it to run the small class on a large GPU).
+int smem_limit(int device_limit) {
+  const char* env = std::getenv("FLARE_CUDA_SMEM_LIMIT");
+  if (env == nullptr || *env == '\0') return device_limit;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  if (*end != '\0' || v <= 0) return device_limit;  // malformed: ignored, as an unset variable
+  return static_cast<int>(std::min<long>(v, device_limit));
+}
+
 // What the GPU path needs beyond the C ABI's rules, for the problem's pass (forward or backward): picks the
-// head-dim tile and checks that its kernel fits the GPU's shared memory.
-flare_status check_problem(const Problem& p, int* tile_out) {
+// head-dim tile and the shared-memory class and checks that the kernel fits the GPU's shared memory.
+// The class: small on sm_86 / sm_87 / sm_89 (the cubins those GPUs run hold only the small one, see
+// sm80::body_here) and wherever the large one does not fit; else large.
+flare_status check_problem(const Problem& p, Choice* out) {
   const bool bwd = p.pass == detail::Pass::kBackward;
   const char* pass = bwd ? "the backward" : "the forward";
   if (p.dtype != FLARE_DTYPE_F16 && p.dtype != FLARE_DTYPE_BF16) {
@@ -108,16 +128,16 @@ flare_status check_problem(const Problem& p, int* tile_out) {
                                   "elements (16 bytes); make the tensor contiguous"));
     }
   }
-  const int needed = static_cast<int>(std::max(p.headdim, p.headdim_v));
+  const int width = static_cast<int>(std::max(p.headdim, p.headdim_v));
   int tile = 0;
   for (int d : kBuiltTiles) {
-    if (d >= needed) {
+    if (d >= width) {
       tile = d;
       break;
     }
   }
   if (tile == 0) {
-    return fail(FLARE_UNSUPPORTED, cat("head dim ", needed, " has no kernel in this build (head-dim tiles built: ",
+    return fail(FLARE_UNSUPPORTED, cat("head dim ", width, " has no kernel in this build (head-dim tiles built: ",
                                 built_tiles(), "; configure with FLARE_HEADDIMS to add tiles)"));
   }
   // Attributes, not cudaGetDeviceProperties: that one queries everything and costs far more per call.
@@ -139,14 +159,28 @@ flare_status check_problem(const Problem& p, int* tile_out) {
     return fail(FLARE_UNSUPPORTED, cat("batch is ", p.batch, ": the CUDA path takes at most 65535 sequences "
                                        "per call; split the batch"));
   }
-  const int smem_needed = by_tile(p.dtype, tile, 0, [&]<flare_dtype D, int d>() {
-    return bwd ? sm80::backward_smem_bytes<D, d>() : sm80::forward_smem_bytes<D, d>();
-  });
-  if (smem_needed > smem) {
-    return fail(FLARE_UNSUPPORTED, cat(pass, " kernel for head dim tile ", tile, " needs ", smem_needed,
-                                       " bytes of shared memory per block but this GPU allows ", smem));
+  const auto smem_needed = [&](SmemClass c) {
+    return by_tile(p.dtype, tile, 0, [&]<flare_dtype D, int d>() {
+      return bwd ? sm80::backward_smem_bytes<D, d>(c) : sm80::forward_smem_bytes<D, d>(c);
+    });
+  };
+  const int limit = smem_limit(smem);
+  const bool small_arch = major == 8 && minor != 0;
+  const SmemClass cls = small_arch || smem_needed(SmemClass::kLarge) > limit ? SmemClass::kSmall : SmemClass::kLarge;
+  const int needed = smem_needed(cls);
+  if (needed > limit) {
+    return fail(FLARE_UNSUPPORTED, cat(pass, " kernel for head dim tile ", tile, " needs ", needed,
+                                       " bytes of shared memory per block but this GPU allows ", limit));
   }
-  *tile_out = tile;
+#ifndef FLARE_CUDA_ALL_CONFIGS
+  if (bwd && cls == SmemClass::kSmall && major >= 9) {
+    return fail(FLARE_UNSUPPORTED, cat(pass, " kernel for head dim tile ", tile, " needs ",
+                                       smem_needed(SmemClass::kLarge), " bytes of shared memory per block but this "
+                                       "GPU allows ", limit, "; the kernels that fit (<= ", kSmallSmemBytes,
+                                       " bytes) are compiled for sm_8x only (or with FLARE_CUDA_ALL_CONFIGS=ON)"));
+  }
+#endif
+  *out = Choice{tile, cls};
   return FLARE_OK;
 }
 
@@ -194,7 +228,10 @@ struct BwdLayout {
 
 constexpr size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
-BwdLayout bwd_layout(const Problem& p, int tile, int block_n, int num_sms) {
+BwdLayout bwd_layout(const Problem& p, Choice k, int num_sms) {
+  const int tile = k.tile;
+  const int block_n =
+      by_tile(p.dtype, tile, 1, [&]<flare_dtype D, int d>() { return sm80::backward_block_n<D, d>(k.cls); });
   BwdLayout l{};
   auto round128 = [](int64_t x) { return (x + kRowPad - 1) / kRowPad * kRowPad; };
   l.seqlen_q_rounded = static_cast<int>(round128(p.seqlen_q));
@@ -224,16 +261,16 @@ int sm_count(int device) {
 }  // namespace
 
 flare_status forward(const Problem& p) {
-  int tile = 0;
-  if (flare_status s = check_problem(p, &tile); s != FLARE_OK) return s;
+  Choice k;
+  if (flare_status s = check_problem(p, &k); s != FLARE_OK) return s;
   DeviceGuard guard(p.device.index);
   if (guard.status() != cudaSuccess) return cuda_fail(guard.status(), "cudaSetDevice");
   if (p.batch == 0 || p.seqlen_q == 0 || p.nheads == 0) return FLARE_OK;
   AttnParams a;
   fill_attn(p, &a);
   auto stream = static_cast<cudaStream_t>(p.stream);
-  const cudaError_t e = by_tile(p.dtype, tile, cudaErrorInvalidValue,
-                                [&]<flare_dtype D, int d>() { return sm80::run_forward<D, d>(a, stream); });
+  const cudaError_t e = by_tile(p.dtype, k.tile, cudaErrorInvalidValue,
+                                [&]<flare_dtype D, int d>() { return sm80::run_forward<D, d>(a, stream, k.cls); });
   if (e != cudaSuccess) return cuda_fail(e, "launching the forward kernel");
   return FLARE_OK;
 }
@@ -241,22 +278,20 @@ flare_status forward(const Problem& p) {
 flare_status workspace_size(const Problem& p, size_t* bytes) {
   *bytes = 0;
   if (p.pass != detail::Pass::kBackward) return FLARE_OK;
-  int tile = 0;
-  if (flare_status s = check_problem(p, &tile); s != FLARE_OK) return s;
-  const int block_n = by_tile(p.dtype, tile, 0, [&]<flare_dtype D, int d>() { return sm80::backward_block_n<D, d>(); });
-  *bytes = bwd_layout(p, tile, block_n, sm_count(p.device.index)).total();
+  Choice k;
+  if (flare_status s = check_problem(p, &k); s != FLARE_OK) return s;
+  *bytes = bwd_layout(p, k, sm_count(p.device.index)).total();
   return FLARE_OK;
 }
 
 flare_status backward(const Problem& p) {
-  int tile = 0;
-  if (flare_status s = check_problem(p, &tile); s != FLARE_OK) return s;
+  Choice k;
+  if (flare_status s = check_problem(p, &k); s != FLARE_OK) return s;
   DeviceGuard guard(p.device.index);
   if (guard.status() != cudaSuccess) return cuda_fail(guard.status(), "cudaSetDevice");
   auto stream = static_cast<cudaStream_t>(p.stream);
 
-  const int block_n = by_tile(p.dtype, tile, 0, [&]<flare_dtype D, int d>() { return sm80::backward_block_n<D, d>(); });
-  const BwdLayout l = bwd_layout(p, tile, block_n, sm_count(p.device.index));
+  const BwdLayout l = bwd_layout(p, k, sm_count(p.device.index));
   if (p.workspace != nullptr && reinterpret_cast<uintptr_t>(p.workspace) % 256 != 0) {
     return fail(FLARE_INVALID_ARGUMENT, "exec.workspace is not 256-byte aligned: the CUDA backward lays its fp32 "
                                         "buffers out from it (cudaMalloc and torch allocations are)");
@@ -294,14 +329,14 @@ flare_status backward(const Problem& p) {
   b.k_rows = l.k_rows;
   b.seqlen_q_rounded = l.seqlen_q_rounded;
   b.seqlen_k_rounded = l.seqlen_k_rounded;
-  b.headdim_rounded = tile;
+  b.headdim_rounded = k.tile;
   b.dq_splits = l.splits;
   b.deterministic = p.deterministic;
 
   cudaError_t e = cudaMemsetAsync(b.dq_accum, 0, l.dq, stream);
   if (e == cudaSuccess) {
-    e = by_tile(p.dtype, tile, cudaErrorInvalidValue,
-                [&]<flare_dtype D, int d>() { return sm80::run_backward<D, d>(b, stream); });
+    e = by_tile(p.dtype, k.tile, cudaErrorInvalidValue,
+                [&]<flare_dtype D, int d>() { return sm80::run_backward<D, d>(b, stream, k.cls); });
   }
   if (owned) {
     const cudaError_t f = cudaFreeAsync(ws, stream);

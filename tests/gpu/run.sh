@@ -14,6 +14,10 @@
 #   bench     bench/gpu/bench_gpu.py --out $OUT, then its plot    BENCH_ARGS (e.g. "--quick")
 #   train     bench/gpu/train_llama.py --out $OUT                 TRAIN_ARGS (e.g. "--steps 10")
 #   demo      the GPU demo, when it was built                     DEMO_ARGS (e.g. "--quick")
+#   profile   Nsight Compute on flare's kernel and torch's FA2 kernel for one shape (bench/gpu/profile_target.py),
+#             reports in run.log   PROFILE_ARGS (default "--pass bwd --headdim 128 --seqlen 8192"),
+#             NCU_ARGS (default: launch stats, occupancy, speed of light, warp states, scheduler, instruction
+#             and memory tables, source counters)
 # Environment: FLARE_LIBRARY (default: build/cuda/src/libflare.so, else a libflare.so.* file there, else
 #   python/flare/libflare.so); FLARE_DEMO (default build/cuda/tools/flare_demo: it finds libflare.so.0
 #   through a link to FLARE_LIBRARY, so carrying the real files, not the build tree's symlinks, is enough);
@@ -33,7 +37,10 @@ REPO=$PWD
 STAGES=("$@")
 [[ ${#STAGES[@]} -eq 0 ]] && STAGES=(tests sanitize bench train demo)
 for s in "${STAGES[@]}"; do
-  case $s in tests|sanitize|bench|train|demo) ;; *) echo "run.sh: unknown stage '$s' (tests sanitize bench train demo)" >&2; exit 2 ;; esac
+  case $s in
+    tests|sanitize|bench|train|demo|profile) ;;
+    *) echo "run.sh: unknown stage '$s' (tests sanitize bench train demo profile)" >&2; exit 2 ;;
+  esac
 done
 
 OUT=${OUT:-$(mktemp -d /tmp/flare-gpu-run.XXXXXX)}
@@ -137,6 +144,28 @@ for s in "${STAGES[@]}"; do
     train)
       words TRAIN_ARGS
       stage train 480 "$PY" bench/gpu/train_llama.py --out "$OUT" "${WORDS[@]}"
+      ;;
+    profile)
+      ncu=${NCU:-$(command -v ncu || true)}
+      [[ -z $ncu && -x /usr/local/cuda/bin/ncu ]] && ncu=/usr/local/cuda/bin/ncu
+      if [[ -z $ncu ]]; then
+        skip profile "ncu not found (set NCU)"
+        continue
+      fi
+      words PROFILE_ARGS
+      (( ${#WORDS[@]} == 0 )) && WORDS=(--pass bwd --headdim 128 --seqlen 8192)
+      profile_args=("${WORDS[@]}")
+      kernels='backward_kernel|flash_bwd_dq_dk_dv'  # the main kernel of each pass, not its helpers
+      [[ " ${profile_args[*]} " == *" --pass fwd "* ]] && kernels='forward_kernel|flash_fwd_kernel'
+      words NCU_ARGS
+      (( ${#WORDS[@]} == 0 )) && WORDS=(--section LaunchStats --section Occupancy --section SpeedOfLight
+        --section WarpStateStats --section SchedulerStats --section InstructionStats
+        --section MemoryWorkloadAnalysis_Tables --section SourceCounters)
+      for impl in flare torch-flash; do
+        stage "profile-$impl" 240 "$ncu" --launch-skip 1 --launch-count 1 \
+          --kernel-name regex:"$kernels" "${WORDS[@]}" \
+          "$PY" bench/gpu/profile_target.py --impl "$impl" "${profile_args[@]}"
+      done
       ;;
     demo)
       if [[ -x $FLARE_DEMO && -n ${FLARE_LIBRARY:-} ]]; then

@@ -6,7 +6,8 @@ compute-sanitizer (10-100x slower than a plain run), each checked against the fp
   compute-sanitizer --tool racecheck --error-exitcode 97 python3 tests/gpu/sanitize.py
 
 Shapes: causal, GQA/MQA, windows + softcap + ALiBi, varlen with an empty sequence and seqused_k, head dims
-64/128/256 (and 40, not a tile size), fp16 and bf16, the deterministic backward. Lengths are odd so that
+64/128/256 (and 40, not a tile size), fp16 and bf16, the deterministic backward, and the small-shared-memory
+kernels of sm_86 / sm_89 (forced with FLARE_CUDA_SMEM_LIMIT; on sm_90 they need a FLARE_CUDA_ALL_CONFIGS build). Lengths are odd so that
 every partial tile is touched. torch's caching allocator is switched off (PYTORCH_NO_CUDA_MEMORY_CACHING=1,
 set here before torch starts) so that each tensor is its own allocation and memcheck sees an overrun past
 it rather than into a neighbour in the same pooled block.
@@ -26,6 +27,7 @@ from pathlib import Path
 os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
 
 HERE = Path(__file__).resolve().parent
+SMALL_SMEM = 99 * 1024  # the shared memory per block of sm_86 / sm_89: "small-" cases run as there
 REPO = HERE.parents[1]
 
 
@@ -73,6 +75,13 @@ def main():
                                   headdim=256),
         "deterministic-hd64-bf16": Case(dtype=bf16, batch=2, seqlen_q=300, seqlen_k=300, nheads=4, nheads_k=1,
                                         headdim=64, causal=True, deterministic=True),
+        # The small-shared-memory kernels (sm_86 / sm_89), forced by FLARE_CUDA_SMEM_LIMIT (see SMALL_SMEM).
+        "small-causal-hd128-bf16": Case(dtype=bf16, batch=2, seqlen_q=257, seqlen_k=190, nheads=4, nheads_k=2,
+                                        headdim=128, causal=True),
+        "small-hd256-fp16-softcap": Case(dtype=fp16, batch=1, seqlen_q=99, seqlen_k=130, nheads=2, nheads_k=1,
+                                         headdim=256, softcap=20.0),
+        "small-window-hd64-bf16": Case(dtype=bf16, batch=2, seqlen_q=150, seqlen_k=203, nheads=2, nheads_k=2,
+                                       headdim=64, window=(32, 16)),
     }
     if args.only:
         cases = {n: c for n, c in cases.items() if args.only in n}
@@ -92,6 +101,10 @@ def main():
     failed = []
     for name, case in cases.items():
         start = time.perf_counter()
+        if name.startswith("small-"):
+            os.environ["FLARE_CUDA_SMEM_LIMIT"] = str(SMALL_SMEM)
+        else:
+            os.environ.pop("FLARE_CUDA_SMEM_LIMIT", None)
         try:
             check_case(case)
             if args.device == "cuda":

@@ -44,6 +44,12 @@ struct AttnParams {
   int64_t alibi_batch_stride = 0;
 };
 
+// Kernel configurations come in two shared-memory classes: kLarge uses up to 208 KB per block (sm_80 allows
+// 163 KB, sm_90 227 KB), kSmall at most kSmallSmemBytes (the 99 KB of sm_86 / sm_89). backend.cu picks the
+// class per call; src/cuda/sm80/configs.cuh holds the shapes of each.
+enum class SmemClass { kLarge, kSmall };
+constexpr int kSmallSmemBytes = 99 * 1024;
+
 // Rows every sequence is padded by in the backward workspace (a multiple of every tile height).
 constexpr int kRowPad = 128;
 
@@ -54,7 +60,8 @@ struct BwdParams : AttnParams {
   // q_row0(b) = varlen ? cu_seqlens_q[b] + b * kRowPad : b * seqlen_q_rounded (likewise for keys), so every
   // sequence owns whole 128-row tiles; per head there are q_rows (k_rows) such rows.
   //   dsum     (nheads, q_rows)                  rowsum(dout * out) of each query row
-  //   dq_accum (dq_splits, nheads, q_rows, headdim_rounded)
+  //   dq_accum (dq_splits, nheads, q_rows, headdim_rounded); each query tile of the backward kernel's height
+  //            in the order its threads hold the elements (src/cuda/sm80/backward.cuh), not row-major
   //   dk_accum, dv_accum (nheads, k_rows, headdim[_v]_rounded), GQA/MQA only: per-query-head gradients,
   //            summed over each group in a fixed order afterwards.
   float* dsum = nullptr;

@@ -26,6 +26,9 @@ __device__ __forceinline__ float tanh_fast(float u) {
   return 1.f - 2.f * r;
 }
 
+// True when a call has softcap or ALiBi: the score transform, which kernels may compile separately.
+inline bool shaped_scores(AttnParams const& p) { return p.softcap > 0.f || p.alibi_slopes != nullptr; }
+
 struct ScoreShape {
   policy::WindowMask mask;
   float scale = 1.f;
@@ -71,15 +74,25 @@ struct ScoreShape {
 };
 
 // Shapes the tile `s` (an accumulator in (rows, cols) view) whose element coordinates are `coord` (tile-local,
-// same view), with the tile's first row m0 and first key n0. `masked`: apply the window mask (boundary
-// tiles); otherwise only the transform. When dtanh is given (backward with softcap) it receives
-// d(softcap·tanh(u/softcap))/du = 1 - tanh² per element.
-template <class S, class C, class DT = std::nullptr_t>
-__device__ __forceinline__ void shape_scores(S& s, C const& coord, int m0, int n0, ScoreShape const& sh,
-                                             bool masked, DT* dtanh = nullptr) {
+// same view), with the tile's first row m0 and first key n0, and hands each element to
+// emit(row, col, x, dtanh): x the shaped value (-inf where masked), dtanh = d(softcap·tanh(u/softcap))/du =
+// 1 - tanh² under softcap, else 1. `masked`: apply the window mask (boundary tiles); otherwise only the
+// transform. The backward consumes x and dtanh at once (no per-element dtanh array lives in registers).
+// kTransform = false compiles the mask alone: for kernels launched only for calls without softcap and ALiBi
+// (shaped_scores(p) false).
+template <bool kTransform = true, class S, class C, class Emit>
+__device__ __forceinline__ void shape_scores_each(S const& s, C const& coord, int m0, int n0, ScoreShape const& sh,
+                                                  bool masked, Emit&& emit) {
   constexpr int kRows = decltype(size<0>(s))::value;
   constexpr int kCols = decltype(size<1>(s))::value;
-  if (!sh.transform && !masked) return;
+  if (!(kTransform && sh.transform) && !masked) {
+    CUTE_UNROLL
+    for (int mi = 0; mi < kRows; ++mi) {
+      CUTE_UNROLL
+      for (int ni = 0; ni < kCols; ++ni) emit(mi, ni, s(mi, ni), 1.f);
+    }
+    return;
+  }
   CUTE_UNROLL
   for (int mi = 0; mi < kRows; ++mi) {
     const int i = m0 + get<0>(coord(mi, 0));
@@ -92,22 +105,28 @@ __device__ __forceinline__ void shape_scores(S& s, C const& coord, int m0, int n
     for (int ni = 0; ni < kCols; ++ni) {
       const int j = n0 + get<1>(coord(mi, ni));
       float x = s(mi, ni);
-      if (sh.transform) {
+      float dtanh = 1.f;
+      if (kTransform && sh.transform) {
         x *= sh.scale;
         if (sh.softcap > 0.f) {
           const float t = tanh_fast(x * sh.softcap_inv);
           x = sh.softcap * t;
-          if constexpr (!std::is_same_v<DT, std::nullptr_t>) {
-            (*dtanh)(mi, ni) = static_cast<typename DT::value_type>(1.f - t * t);
-          }
+          dtanh = 1.f - t * t;
         }
         if (sh.slope != 0.f) x += policy::alibi_bias(sh.slope, diag, j);
         x *= kLog2e;
       }
       if (masked && (j < first || j > last)) x = -INFINITY;
-      s(mi, ni) = x;
+      emit(mi, ni, x, dtanh);
     }
   }
+}
+
+// shape_scores_each, writing the shaped values back into s (the forward).
+template <class S, class C>
+__device__ __forceinline__ void shape_scores(S& s, C const& coord, int m0, int n0, ScoreShape const& sh,
+                                             bool masked) {
+  shape_scores_each(s, coord, m0, n0, sh, masked, [&](int mi, int ni, float x, float) { s(mi, ni) = x; });
 }
 
 }  // namespace flare::cuda

@@ -22,13 +22,14 @@ FWD = """\
 namespace flare::cuda::sm80 {{
 
 template <>
-cudaError_t run_forward<{enum}, {d}>(AttnParams const& p, cudaStream_t stream) {{
-  return launch_forward_for<{elem}, {d}>(p, stream);
+cudaError_t run_forward<{enum}, {d}>(AttnParams const& p, cudaStream_t stream, SmemClass c) {{
+  return launch_forward_for<{elem}, {d}>(p, stream, c);
 }}
 
 template <>
-int forward_smem_bytes<{enum}, {d}>() {{
-  return forward_smem_bytes_for<{elem}, {d}>();
+int forward_smem_bytes<{enum}, {d}>(SmemClass c) {{
+  return c == SmemClass::kLarge ? forward_smem_bytes_as<{elem}, {d}, SmemClass::kLarge>()
+                                : forward_smem_bytes_as<{elem}, {d}, SmemClass::kSmall>();
 }}
 
 }}  // namespace flare::cuda::sm80
@@ -42,18 +43,21 @@ BWD = """\
 namespace flare::cuda::sm80 {{
 
 template <>
-cudaError_t run_backward<{enum}, {d}>(BwdParams const& p, cudaStream_t stream) {{
-  return launch_backward<BwdConfig<{elem}, {d}>>(p, stream);
+cudaError_t run_backward<{enum}, {d}>(BwdParams const& p, cudaStream_t stream, SmemClass c) {{
+  return c == SmemClass::kLarge ? launch_backward<BwdConfig<{elem}, {d}, SmemClass::kLarge>>(p, stream)
+                                : launch_backward<BwdConfig<{elem}, {d}, SmemClass::kSmall>>(p, stream);
 }}
 
 template <>
-int backward_smem_bytes<{enum}, {d}>() {{
-  return BwdConfig<{elem}, {d}>::kSmemBytes;
+int backward_smem_bytes<{enum}, {d}>(SmemClass c) {{
+  return c == SmemClass::kLarge ? BwdConfig<{elem}, {d}, SmemClass::kLarge>::kSmemBytes
+                                : BwdConfig<{elem}, {d}, SmemClass::kSmall>::kSmemBytes;
 }}
 
 template <>
-int backward_block_n<{enum}, {d}>() {{
-  return BwdConfig<{elem}, {d}>::kBlockN;
+int backward_block_n<{enum}, {d}>(SmemClass c) {{
+  return c == SmemClass::kLarge ? BwdConfig<{elem}, {d}, SmemClass::kLarge>::kBlockN
+                                : BwdConfig<{elem}, {d}, SmemClass::kSmall>::kBlockN;
 }}
 
 }}  // namespace flare::cuda::sm80

@@ -5,18 +5,21 @@
 namespace flare::cuda::sm80 {
 
 template <>
-cudaError_t run_backward<FLARE_DTYPE_BF16, 160>(BwdParams const& p, cudaStream_t stream) {
-  return launch_backward<BwdConfig<cutlass::bfloat16_t, 160>>(p, stream);
+cudaError_t run_backward<FLARE_DTYPE_BF16, 160>(BwdParams const& p, cudaStream_t stream, SmemClass c) {
+  return c == SmemClass::kLarge ? launch_backward<BwdConfig<cutlass::bfloat16_t, 160, SmemClass::kLarge>>(p, stream)
+                                : launch_backward<BwdConfig<cutlass::bfloat16_t, 160, SmemClass::kSmall>>(p, stream);
 }
 
 template <>
-int backward_smem_bytes<FLARE_DTYPE_BF16, 160>() {
-  return BwdConfig<cutlass::bfloat16_t, 160>::kSmemBytes;
+int backward_smem_bytes<FLARE_DTYPE_BF16, 160>(SmemClass c) {
+  return c == SmemClass::kLarge ? BwdConfig<cutlass::bfloat16_t, 160, SmemClass::kLarge>::kSmemBytes
+                                : BwdConfig<cutlass::bfloat16_t, 160, SmemClass::kSmall>::kSmemBytes;
 }
 
 template <>
-int backward_block_n<FLARE_DTYPE_BF16, 160>() {
-  return BwdConfig<cutlass::bfloat16_t, 160>::kBlockN;
+int backward_block_n<FLARE_DTYPE_BF16, 160>(SmemClass c) {
+  return c == SmemClass::kLarge ? BwdConfig<cutlass::bfloat16_t, 160, SmemClass::kLarge>::kBlockN
+                                : BwdConfig<cutlass::bfloat16_t, 160, SmemClass::kSmall>::kBlockN;
 }
 
 }  // namespace flare::cuda::sm80

@@ -5,18 +5,21 @@
 namespace flare::cuda::sm80 {
 
 template <>
-cudaError_t run_backward<FLARE_DTYPE_BF16, 192>(BwdParams const& p, cudaStream_t stream) {
-  return launch_backward<BwdConfig<cutlass::bfloat16_t, 192>>(p, stream);
+cudaError_t run_backward<FLARE_DTYPE_BF16, 192>(BwdParams const& p, cudaStream_t stream, SmemClass c) {
+  return c == SmemClass::kLarge ? launch_backward<BwdConfig<cutlass::bfloat16_t, 192, SmemClass::kLarge>>(p, stream)
+                                : launch_backward<BwdConfig<cutlass::bfloat16_t, 192, SmemClass::kSmall>>(p, stream);
 }
 
 template <>
-int backward_smem_bytes<FLARE_DTYPE_BF16, 192>() {
-  return BwdConfig<cutlass::bfloat16_t, 192>::kSmemBytes;
+int backward_smem_bytes<FLARE_DTYPE_BF16, 192>(SmemClass c) {
+  return c == SmemClass::kLarge ? BwdConfig<cutlass::bfloat16_t, 192, SmemClass::kLarge>::kSmemBytes
+                                : BwdConfig<cutlass::bfloat16_t, 192, SmemClass::kSmall>::kSmemBytes;
 }
 
 template <>
-int backward_block_n<FLARE_DTYPE_BF16, 192>() {
-  return BwdConfig<cutlass::bfloat16_t, 192>::kBlockN;
+int backward_block_n<FLARE_DTYPE_BF16, 192>(SmemClass c) {
+  return c == SmemClass::kLarge ? BwdConfig<cutlass::bfloat16_t, 192, SmemClass::kLarge>::kBlockN
+                                : BwdConfig<cutlass::bfloat16_t, 192, SmemClass::kSmall>::kBlockN;
 }
 
 }  // namespace flare::cuda::sm80

@@ -5,18 +5,21 @@
 namespace flare::cuda::sm80 {
 
 template <>
-cudaError_t run_backward<FLARE_DTYPE_F16, 224>(BwdParams const& p, cudaStream_t stream) {
-  return launch_backward<BwdConfig<cutlass::half_t, 224>>(p, stream);
+cudaError_t run_backward<FLARE_DTYPE_F16, 224>(BwdParams const& p, cudaStream_t stream, SmemClass c) {
+  return c == SmemClass::kLarge ? launch_backward<BwdConfig<cutlass::half_t, 224, SmemClass::kLarge>>(p, stream)
+                                : launch_backward<BwdConfig<cutlass::half_t, 224, SmemClass::kSmall>>(p, stream);
 }
 
 template <>
-int backward_smem_bytes<FLARE_DTYPE_F16, 224>() {
-  return BwdConfig<cutlass::half_t, 224>::kSmemBytes;
+int backward_smem_bytes<FLARE_DTYPE_F16, 224>(SmemClass c) {
+  return c == SmemClass::kLarge ? BwdConfig<cutlass::half_t, 224, SmemClass::kLarge>::kSmemBytes
+                                : BwdConfig<cutlass::half_t, 224, SmemClass::kSmall>::kSmemBytes;
 }
 
 template <>
-int backward_block_n<FLARE_DTYPE_F16, 224>() {
-  return BwdConfig<cutlass::half_t, 224>::kBlockN;
+int backward_block_n<FLARE_DTYPE_F16, 224>(SmemClass c) {
+  return c == SmemClass::kLarge ? BwdConfig<cutlass::half_t, 224, SmemClass::kLarge>::kBlockN
+                                : BwdConfig<cutlass::half_t, 224, SmemClass::kSmall>::kBlockN;
 }
 
 }  // namespace flare::cuda::sm80

@@ -5,18 +5,21 @@
 namespace flare::cuda::sm80 {
 
 template <>
-cudaError_t run_backward<FLARE_DTYPE_F16, 32>(BwdParams const& p, cudaStream_t stream) {
-  return launch_backward<BwdConfig<cutlass::half_t, 32>>(p, stream);
+cudaError_t run_backward<FLARE_DTYPE_F16, 32>(BwdParams const& p, cudaStream_t stream, SmemClass c) {
+  return c == SmemClass::kLarge ? launch_backward<BwdConfig<cutlass::half_t, 32, SmemClass::kLarge>>(p, stream)
+                                : launch_backward<BwdConfig<cutlass::half_t, 32, SmemClass::kSmall>>(p, stream);
 }
 
 template <>
-int backward_smem_bytes<FLARE_DTYPE_F16, 32>() {
-  return BwdConfig<cutlass::half_t, 32>::kSmemBytes;
+int backward_smem_bytes<FLARE_DTYPE_F16, 32>(SmemClass c) {
+  return c == SmemClass::kLarge ? BwdConfig<cutlass::half_t, 32, SmemClass::kLarge>::kSmemBytes
+                                : BwdConfig<cutlass::half_t, 32, SmemClass::kSmall>::kSmemBytes;
 }
 
 template <>
-int backward_block_n<FLARE_DTYPE_F16, 32>() {
-  return BwdConfig<cutlass::half_t, 32>::kBlockN;
+int backward_block_n<FLARE_DTYPE_F16, 32>(SmemClass c) {
+  return c == SmemClass::kLarge ? BwdConfig<cutlass::half_t, 32, SmemClass::kLarge>::kBlockN
+                                : BwdConfig<cutlass::half_t, 32, SmemClass::kSmall>::kBlockN;
 }
 
 }  // namespace flare::cuda::sm80

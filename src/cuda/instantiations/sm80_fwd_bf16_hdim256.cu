@@ -5,13 +5,14 @@
 namespace flare::cuda::sm80 {
 
 template <>
-cudaError_t run_forward<FLARE_DTYPE_BF16, 256>(AttnParams const& p, cudaStream_t stream) {
-  return launch_forward_for<cutlass::bfloat16_t, 256>(p, stream);
+cudaError_t run_forward<FLARE_DTYPE_BF16, 256>(AttnParams const& p, cudaStream_t stream, SmemClass c) {
+  return launch_forward_for<cutlass::bfloat16_t, 256>(p, stream, c);
 }
 
 template <>
-int forward_smem_bytes<FLARE_DTYPE_BF16, 256>() {
-  return forward_smem_bytes_for<cutlass::bfloat16_t, 256>();
+int forward_smem_bytes<FLARE_DTYPE_BF16, 256>(SmemClass c) {
+  return c == SmemClass::kLarge ? forward_smem_bytes_as<cutlass::bfloat16_t, 256, SmemClass::kLarge>()
+                                : forward_smem_bytes_as<cutlass::bfloat16_t, 256, SmemClass::kSmall>();
 }
 
 }  // namespace flare::cuda::sm80

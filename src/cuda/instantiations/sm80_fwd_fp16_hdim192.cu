@@ -5,13 +5,14 @@
 namespace flare::cuda::sm80 {
 
 template <>
-cudaError_t run_forward<FLARE_DTYPE_F16, 192>(AttnParams const& p, cudaStream_t stream) {
-  return launch_forward_for<cutlass::half_t, 192>(p, stream);
+cudaError_t run_forward<FLARE_DTYPE_F16, 192>(AttnParams const& p, cudaStream_t stream, SmemClass c) {
+  return launch_forward_for<cutlass::half_t, 192>(p, stream, c);
 }
 
 template <>
-int forward_smem_bytes<FLARE_DTYPE_F16, 192>() {
-  return forward_smem_bytes_for<cutlass::half_t, 192>();
+int forward_smem_bytes<FLARE_DTYPE_F16, 192>(SmemClass c) {
+  return c == SmemClass::kLarge ? forward_smem_bytes_as<cutlass::half_t, 192, SmemClass::kLarge>()
+                                : forward_smem_bytes_as<cutlass::half_t, 192, SmemClass::kSmall>();
 }
 
 }  // namespace flare::cuda::sm80

@@ -4,6 +4,9 @@
 //                       the query tiles that see them, recomputing P = exp(s - lse) and accumulating dK and dV
 //                       in registers; dQ partial products go to an fp32 buffer with atomicAdd;
 //   3. dq_kernel (+ dkv_reduce_kernel for GQA/MQA): fp32 buffers -> the caller's dq (dk, dv) with the scale.
+// The dQ buffer holds each kBlockM-row tile in fragment order: element i of thread t's dQ accumulator at
+// i * kThreads + t. Each atomicAdd instruction of a warp then covers 32 consecutive floats (one 128-byte line)
+// instead of eight half-used 32-byte sectors; dq_kernel maps the order back to (row, column).
 // Deterministic mode: each CTA walks several key tiles in a fixed order and owns one of `dq_splits` dq
 // buffers, so every dq element receives its additions in the same order; the buffers are summed in order.
 #pragma once
@@ -16,8 +19,11 @@
 
 namespace flare::cuda::sm80 {
 
+// kDoubleBuffer: Q and dO tiles double-buffered (the next pair loads during this one's products); single-
+// buffered, the next dO loads once the dV product is done with this one and the next Q after the dK product.
+// kClass: the shared-memory class the configuration belongs to (body_here).
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kAtomMSdP, int kAtomNdKV,
-          int kAtomMdQ>
+          int kAtomMdQ, bool kDoubleBuffer_ = true, SmemClass kClass_ = SmemClass::kLarge>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -25,6 +31,8 @@ struct BwdTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kWarps = kWarps_;
   static constexpr int kThreads = kWarps * 32;
+  static constexpr bool kDoubleBuffer = kDoubleBuffer_;
+  static constexpr SmemClass kClass = kClass_;
 
   template <int kAtomM>
   using Mma = TiledMMA<MmaAtom<Element>, Layout<Shape<Int<kAtomM>, Int<kWarps / kAtomM>, _1>>,
@@ -56,8 +64,10 @@ struct BwdTraits {
   static constexpr int kQBytes = int(sizeof(Element)) * cosize(SmemLayoutQ{});
   static constexpr int kKVBytes = int(sizeof(Element)) * cosize(SmemLayoutKV{});
   static constexpr int kPBytes = int(sizeof(Element)) * cosize(SmemLayoutP{});
-  // Q and dO double-buffered, K, V, P, dS.
-  static constexpr int kSmemBytes = 4 * kQBytes + 2 * kKVBytes + 2 * kPBytes;
+  // Q and dO (one or two buffers each), K, V, P, dS.
+  static constexpr int kQBuffers = kDoubleBuffer ? 2 : 1;
+  static constexpr int kSmemBytes = 2 * kQBuffers * kQBytes + 2 * kKVBytes + 2 * kPBytes;
+  static_assert(kClass == SmemClass::kLarge || kSmemBytes <= kSmallSmemBytes, "a small configuration over 99 KB");
 };
 
 // ---- 1. D = rowsum(dout * out) ----------------------------------------------------------------------------
@@ -85,8 +95,10 @@ __global__ void __launch_bounds__(256) dsum_kernel(const __grid_constant__ BwdPa
 }
 
 // ---- 2. the main kernel -------------------------------------------------------------------------------------
-template <class T>
-__global__ void __launch_bounds__(T::kThreads) backward_kernel(const __grid_constant__ BwdParams p) {
+// kShaped: compiled for calls with softcap or ALiBi (shaped_scores); the common kernel carries neither, which
+// keeps its registers within budget (the softcap path spilled ~1 KB per thread into every call's kernel).
+template <class T, bool kShaped>
+__device__ __forceinline__ void backward_body(BwdParams const& p) {
   using Element = typename T::Element;
   constexpr int kBlockM = T::kBlockM;
   constexpr int kBlockN = T::kBlockN;
@@ -126,16 +138,17 @@ __global__ void __launch_bounds__(T::kThreads) backward_kernel(const __grid_cons
   constexpr int kQ = cosize(typename T::SmemLayoutQ{});
   constexpr int kKV = cosize(typename T::SmemLayoutKV{});
   constexpr int kP = cosize(typename T::SmemLayoutP{});
-  // [Q0 Q1 dO0 dO1 K V P dS]
+  // [Q0 (Q1) dO0 (dO1) K V P dS]
+  constexpr int kBufs = T::kQBuffers;
   auto sQ_at = [&](int buf) { return make_tensor(make_smem_ptr(base + buf * kQ), typename T::SmemLayoutQ{}); };
   auto sQt_at = [&](int buf) { return make_tensor(make_smem_ptr(base + buf * kQ), typename T::SmemLayoutQt{}); };
   auto sdO_at = [&](int buf) {
-    return make_tensor(make_smem_ptr(base + (2 + buf) * kQ), typename T::SmemLayoutQ{});
+    return make_tensor(make_smem_ptr(base + (kBufs + buf) * kQ), typename T::SmemLayoutQ{});
   };
   auto sdOt_at = [&](int buf) {
-    return make_tensor(make_smem_ptr(base + (2 + buf) * kQ), typename T::SmemLayoutQt{});
+    return make_tensor(make_smem_ptr(base + (kBufs + buf) * kQ), typename T::SmemLayoutQt{});
   };
-  Element* k_base = base + 4 * kQ;
+  Element* k_base = base + 2 * kBufs * kQ;
   Tensor sK = make_tensor(make_smem_ptr(k_base), typename T::SmemLayoutKV{});
   Tensor sKt = make_tensor(make_smem_ptr(k_base), typename T::SmemLayoutKt{});
   Tensor sV = make_tensor(make_smem_ptr(k_base + kKV), typename T::SmemLayoutKV{});
@@ -198,9 +211,6 @@ __global__ void __launch_bounds__(T::kThreads) backward_kernel(const __grid_cons
   const ScoreCoords coords(mma_sdp, tid);
   Tensor coord_s = ScoreCoords::offsets();
   Tensor coord_rc = make_tensor(coord_s.data(), rowcol_layout(coord_s.layout()));
-  using DqCoords = AccCoords<typename T::MmadQ, TileM>;
-  const DqCoords dq_coords(mma_dq, tid);
-  Tensor coord_dq = DqCoords::offsets();
   constexpr int kRows = decltype(size<0>(coord_rc))::value;
 
   for (int n_block = blockIdx.x; n_block < n_blocks; n_block += gridDim.x) {
@@ -230,19 +240,23 @@ __global__ void __launch_bounds__(T::kThreads) backward_kernel(const __grid_cons
     }
     cp_async_fence();
 
+    // The next query tile's Q or dO into buffer `to`.
+    const auto load_next = [&](int m, auto const& g, int to, int cols) {
+      const int q_rows = seq.len_q - (m + 1) * kBlockM;
+      Tensor dst = make_tensor(make_smem_ptr(base + to * kQ), typename T::SmemLayoutQ{});
+      copy_rows(gload, gthr.partition_S(g(_, _, m + 1)), gthr.partition_D(dst), tQcQ, q_rows, cols);
+      cp_async_fence();
+    };
     for (int m = m_first; m < m_last; ++m) {
-      const int buf = (m - m_first) & 1;
+      const int buf = kBufs == 2 ? (m - m_first) & 1 : 0;
       const int m0 = m * kBlockM;
+      const bool more = m + 1 < m_last;
       cp_async_wait<0>();
       __syncthreads();  // Q[m], dO[m] have landed; the other buffers, sP and sdS are free
-      if (m + 1 < m_last) {
-        const int q_rows = seq.len_q - (m + 1) * kBlockM;
-        copy_rows(gload, gthr.partition_S(gQ(_, _, m + 1)), gthr.partition_D(sQ_at(buf ^ 1)), tQcQ, q_rows,
-                  p.headdim);
-        copy_rows(gload, gthr.partition_S(gdO(_, _, m + 1)), gthr.partition_D(sdO_at(buf ^ 1)), tQcQ, q_rows,
-                  p.headdim_v);
+      if (kBufs == 2 && more) {
+        load_next(m, gQ, buf ^ 1, p.headdim);
+        load_next(m, gdO, kBufs + (buf ^ 1), p.headdim_v);
       }
-      cp_async_fence();
 
       // Per-row lse (log2 units; +inf makes P = 0 for fully masked rows and rows past the end) and D.
       float lse2[kRows];
@@ -267,32 +281,14 @@ __global__ void __launch_bounds__(T::kThreads) backward_kernel(const __grid_cons
       Tensor s = rowcol(acc_s);
       Tensor dp = rowcol(acc_dp);
       const bool masked = !shape.tile_unmasked(m0, kBlockM, n0, kBlockN);
-      if (shape.softcap > 0.f) {
-        // 1 - tanh² in [0, 1], kept in fp16 (10-bit mantissa, below the rounding dS gets anyway): half the
-        // registers of an fp32 copy, which spilled.
-        Tensor dtanh = make_tensor<cutlass::half_t>(s.layout());
-        shape_scores(s, coord_rc, m0 + coords.row_base, n0 + coords.col_base, shape, masked, &dtanh);
-        CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-          CUTE_UNROLL
-          for (int c = 0; c < size<1>(s); ++c) {
-            const float pr = fast_exp2(fmaf(s(r, c), f, -lse2[r]));
-            s(r, c) = pr;
-            dp(r, c) = pr * (dp(r, c) - dd[r]) * static_cast<float>(dtanh(r, c));
-          }
-        }
-      } else {
-        shape_scores(s, coord_rc, m0 + coords.row_base, n0 + coords.col_base, shape, masked);
-        CUTE_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-          CUTE_UNROLL
-          for (int c = 0; c < size<1>(s); ++c) {
-            const float pr = fast_exp2(fmaf(s(r, c), f, -lse2[r]));
-            s(r, c) = pr;
-            dp(r, c) = pr * (dp(r, c) - dd[r]);
-          }
-        }
-      }
+      // P = exp2(x - lse) and dS = P (dP - D) (times 1 - tanh² under softcap), element by element as the
+      // scores are shaped.
+      shape_scores_each<kShaped>(s, coord_rc, m0 + coords.row_base, n0 + coords.col_base, shape, masked,
+                        [&](int r, int c, float x, float dtanh) {
+                          const float pr = fast_exp2(fmaf(x, f, -lse2[r]));
+                          s(r, c) = pr;
+                          dp(r, c) = pr * (dp(r, c) - dd[r]) * dtanh;
+                        });
       // P and dS to shared memory: the dK/dV products read them transposed, the dQ product as they are.
       Tensor p_elem = convert_fragment<Element>(acc_s);
       copy(copy_p, thr_p.retile_S(p_elem), tPsP);
@@ -302,16 +298,24 @@ __global__ void __launch_bounds__(T::kThreads) backward_kernel(const __grid_cons
 
       gemm_ss(acc_dv, rPt, rdOt, tPsPt, thr_b_dkv.partition_S(sdOt_at(buf)), mma_dkv, copy_a_dkv, copy_b_dkv,
               thr_a_dkv, thr_b_dkv);
+      if (kBufs == 1 && more) {
+        __syncthreads();  // every warp is done with dO[m]
+        load_next(m, gdO, kBufs, p.headdim_v);
+      }
+      // dQ before dK: its atomics then drain while the dK product keeps the tensor cores busy.
+      {
+        Tensor acc_dq = partition_fragment_C(mma_dq, TileM{});
+        clear(acc_dq);
+        gemm_ss(acc_dq, rdS, rKt, tdQsdS, tdQsKt, mma_dq, copy_a_dq, copy_b_dq, thr_a_dq, thr_b_dq);
+        float* dq_tile = dq_accum + static_cast<int64_t>(m0) * kHeadDim + tid;  // fragment order (top)
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_dq); ++i) atomicAdd(dq_tile + i * T::kThreads, acc_dq(i));
+      }
       gemm_ss(acc_dk, rdSt, rQt, tdSsdSt, thr_b_dkv.partition_S(sQt_at(buf)), mma_dkv, copy_a_dkv, copy_b_dkv,
               thr_a_dkv, thr_b_dkv);
-
-      Tensor acc_dq = partition_fragment_C(mma_dq, TileM{});
-      clear(acc_dq);
-      gemm_ss(acc_dq, rdS, rKt, tdQsdS, tdQsKt, mma_dq, copy_a_dq, copy_b_dq, thr_a_dq, thr_b_dq);
-      float* dq_tile = dq_accum + static_cast<int64_t>(m0 + dq_coords.row_base) * kHeadDim + dq_coords.col_base;
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_dq); ++i) {
-        atomicAdd(dq_tile + get<0>(coord_dq(i)) * kHeadDim + get<1>(coord_dq(i)), acc_dq(i));
+      if (kBufs == 1 && more) {
+        __syncthreads();  // every warp is done with Q[m]
+        load_next(m, gQ, 0, p.headdim);
       }
     }
 
@@ -356,25 +360,46 @@ __global__ void __launch_bounds__(T::kThreads) backward_kernel(const __grid_cons
   }
 }
 
+template <class T, bool kShaped>
+__global__ void __launch_bounds__(T::kThreads) backward_kernel(const __grid_constant__ BwdParams p) {
+  if constexpr (body_here<T::kClass>()) {
+    backward_body<T, kShaped>(p);
+  } else {
+    __trap();  // backend.cu never picks this class on the GPUs that run this cubin
+  }
+}
+
 // ---- 3. fp32 buffers -> the caller's gradients ----------------------------------------------------------------
-// dq = scale * (sum of the dq_splits buffers, in order).
-template <class Element, int kHeadDim>
-__global__ void __launch_bounds__(256) dq_kernel(const __grid_constant__ BwdParams p) {
+// dq = scale * (sum of the dq_splits buffers, in order). One CTA per (query tile, head, batch), with the main
+// kernel's thread count: thread t reads the elements it would have accumulated (coalesced) and writes them at
+// their (row, column).
+template <class T>
+__global__ void __launch_bounds__(T::kThreads) dq_kernel(const __grid_constant__ BwdParams p) {
+  using Element = typename T::Element;
+  constexpr int kBlockM = T::kBlockM;
+  constexpr int kHeadDim = T::kHeadDim;
+  using TileM = Shape<Int<kBlockM>, Int<kHeadDim>>;
   const int h = blockIdx.y;
   const int b = blockIdx.z;
+  const int tid = threadIdx.x;
   const Sequence seq(p, b);
-  const int64_t row0 = seq.q_row0(p, b);
+  const int m0 = blockIdx.x * kBlockM;
+  if (m0 >= seq.len_q) return;
+  typename T::MmadQ mma_dq;
+  using DqCoords = AccCoords<typename T::MmadQ, TileM>;
+  const DqCoords coords(mma_dq, tid);
+  Tensor offsets = DqCoords::offsets();
   Element* dq = static_cast<Element*>(p.dq.ptr) + seq.q_offset(p.dq, b, h);
   const int64_t split_stride = static_cast<int64_t>(p.nheads) * p.q_rows * kHeadDim;
-  const int i_end = min(seq.len_q, (blockIdx.x + 1) * kRowsPerCta);
-  for (int idx = threadIdx.x; idx < kRowsPerCta * p.headdim; idx += blockDim.x) {
-    const int i = blockIdx.x * kRowsPerCta + idx / p.headdim;
-    const int c = idx % p.headdim;
-    if (i >= i_end) break;
-    const float* src = p.dq_accum + (h * p.q_rows + row0 + i) * kHeadDim + c;
+  const float* src = p.dq_accum + (h * p.q_rows + seq.q_row0(p, b) + m0) * kHeadDim + tid;
+  CUTE_UNROLL
+  for (int i = 0; i < size(offsets); ++i) {
+    const int row = m0 + coords.row_base + get<0>(offsets(i));
+    const int col = coords.col_base + get<1>(offsets(i));
+    if (row >= seq.len_q || col >= p.headdim) continue;
     float acc = 0.f;
-    for (int s = 0; s < p.dq_splits; ++s) acc += src[s * split_stride];
-    dq[i * p.dq.row_stride + c] = static_cast<Element>(acc * p.scale);
+    for (int s = 0; s < p.dq_splits; ++s) acc += src[s * split_stride + i * T::kThreads];
+    dq[static_cast<int64_t>(row) * p.dq.row_stride + col] = static_cast<Element>(acc * p.scale);
   }
 }
 
@@ -417,7 +442,7 @@ cudaError_t launch_backward(BwdParams const& p, cudaStream_t stream) {
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
 
-  const auto kernel = backward_kernel<T>;
+  const auto kernel = shaped_scores(p) ? backward_kernel<T, true> : backward_kernel<T, false>;
   constexpr int kSmem = T::kSmemBytes;
   if constexpr (kSmem > 48 * 1024) {
     if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
@@ -431,7 +456,8 @@ cudaError_t launch_backward(BwdParams const& p, cudaStream_t stream) {
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   if (rows_grid.x > 0) {
-    dq_kernel<Element, T::kHeadDim><<<rows_grid, 256, 0, stream>>>(p);
+    const dim3 dq_grid((p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.nheads, p.batch);
+    dq_kernel<T><<<dq_grid, T::kThreads, 0, stream>>>(p);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   if (p.nheads != p.nheads_k && n_blocks > 0) {

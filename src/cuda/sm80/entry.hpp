@@ -13,20 +13,21 @@ namespace flare::cuda::sm80 {
 // Head-dim tiles a build may contain (CMake's FLARE_HEADDIMS picks a subset).
 constexpr int kHeadDimTiles[] = {32, 64, 96, 128, 160, 192, 224, 256};
 
+// Each takes the shared-memory class of the configuration to run (SmemClass, params.hpp; backend.cu picks it).
 template <flare_dtype kDtype, int kHeadDim>
-cudaError_t run_forward(AttnParams const& p, cudaStream_t stream);
+cudaError_t run_forward(AttnParams const& p, cudaStream_t stream, SmemClass c);
 
 template <flare_dtype kDtype, int kHeadDim>
-cudaError_t run_backward(BwdParams const& p, cudaStream_t stream);
+cudaError_t run_backward(BwdParams const& p, cudaStream_t stream, SmemClass c);
 
 // Shared memory (bytes) each kernel needs, for the device-capacity check; defined with the kernels.
 template <flare_dtype kDtype, int kHeadDim>
-int forward_smem_bytes();
+int forward_smem_bytes(SmemClass c);
 template <flare_dtype kDtype, int kHeadDim>
-int backward_smem_bytes();
+int backward_smem_bytes(SmemClass c);
 
 // Key-tile height of the backward kernel (the grid and the deterministic dq split count depend on it).
 template <flare_dtype kDtype, int kHeadDim>
-int backward_block_n();
+int backward_block_n(SmemClass c);
 
 }  // namespace flare::cuda::sm80

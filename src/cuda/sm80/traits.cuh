@@ -15,6 +15,20 @@ using MmaAtom = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
                                    MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>,
                                    MMA_Atom<SM80_16x8x16_F32BF16BF16F32_TN>>;
 
+// Whether this compilation pass emits the body of a kernel of class `c`: a cubin holds the class its GPUs
+// run — both for sm_80 (its cubin also runs on sm_86 / sm_89 when theirs are not built), the small one for
+// sm_86..sm_89, the large one for sm_90 — unless FLARE_CUDA_ALL_CONFIGS (test builds). backend.cu's choice
+// of class follows the same rule (sm80::body_compiled_for).
+template <SmemClass c>
+constexpr bool body_here() {
+#if defined(__CUDA_ARCH__) && !defined(FLARE_CUDA_ALL_CONFIGS)
+  constexpr bool small_arch = __CUDA_ARCH__ >= 860 && __CUDA_ARCH__ < 900;
+  return c == SmemClass::kSmall ? __CUDA_ARCH__ < 900 : !small_arch;
+#else
+  return true;
+#endif
+}
+
 // A row-major (rows x kHeadDim) shared tile, swizzled so that both 16-byte cp.async writes and ldmatrix
 // reads of 8 rows hit distinct banks. Rows are stored in 64-element (128-byte) chunks when the head dim
 // allows, else 32-element ones.
