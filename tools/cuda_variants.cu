@@ -167,13 +167,13 @@ int main() {
     for (int seqlen : {1024, 8192}) {
       // The shipped configurations, then the alternatives under study.
       time_variant<Shipped<bf16, 64>, BwdConfig<bf16, 64>>("hd64 shipped", 64, seqlen, causal, bufs);
-      time_variant<Shipped<bf16, 64>, BwdTraits<bf16, 64, 64, 128, 8, 2, 4, 4>>("hd64 bwd 64x128 atoms 2-4-4", 64,
-                                                                             seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 64>, BwdTraits<bf16, 64, 128, 128, 8, 4, 2, 2>>("hd64 bwd 128x128 atoms 4-2-2", 64,
+                                                                              seqlen, causal, bufs);
       time_variant<Shipped<bf16, 128>, BwdConfig<bf16, 128>>("hd128 shipped", 128, seqlen, causal, bufs);
       time_variant<Shipped<bf16, 128>, BwdTraits<bf16, 128, 64, 128, 8, 2, 4, 4>>("hd128 bwd atoms 2-4-4", 128,
                                                                                seqlen, causal, bufs);
       time_variant<Shipped<bf16, 256>, BwdConfig<bf16, 256>>("hd256 shipped", 256, seqlen, causal, bufs);
-      time_variant<Shipped<bf16, 256>, BwdTraits<bf16, 256, 64, 64, 8, 4, 2, 2>>("hd256 bwd atoms 4-2-2", 256,
+      time_variant<Shipped<bf16, 256>, BwdTraits<bf16, 256, 64, 64, 8, 4, 4, 4>>("hd256 bwd atoms 4-4-4", 256,
                                                                               seqlen, causal, bufs);
 #ifdef FLARE_CUDA_ALL_CONFIGS
       // The small-shared-memory class (sm_86 / sm_89 shapes), timed on this GPU.

@@ -29,6 +29,22 @@ __device__ __forceinline__ float tanh_fast(float u) {
 // True when a call has softcap or ALiBi: the score transform, which kernels may compile separately.
 inline bool shaped_scores(AttnParams const& p) { return p.softcap > 0.f || p.alibi_slopes != nullptr; }
 
+// A range [first, last] of key or query positions, clamped to int: covers(x0, n) says whether all of
+// [x0, x0 + n) lies inside it.
+struct Span {
+  int first;
+  int last;
+  __device__ __forceinline__ static Span of(int64_t first, int64_t last) {
+    return {static_cast<int>(max<int64_t>(min<int64_t>(first, INT32_MAX), INT32_MIN)),
+            static_cast<int>(max<int64_t>(min<int64_t>(last, INT32_MAX), INT32_MIN))};
+  }
+  __device__ __forceinline__ static Span everything() { return {INT32_MIN, INT32_MAX}; }
+  __device__ __forceinline__ static Span none() { return {INT32_MAX, INT32_MIN}; }
+  __device__ __forceinline__ bool covers(int x0, int n) const {
+    return x0 >= first && static_cast<int64_t>(x0) + n - 1 <= last;
+  }
+};
+
 struct ScoreShape {
   policy::WindowMask mask;
   float scale = 1.f;
@@ -61,15 +77,27 @@ struct ScoreShape {
     n_last = static_cast<int>((last + block_n) / block_n);
   }
 
-  // True when every (row, key) of the tile [m0, m0 + bm) x [n0, n0 + bn) is visible (rows past len_q
-  // count as visible: their results are discarded).
-  __device__ __forceinline__ bool tile_unmasked(int m0, int bm, int n0, int bn) const {
-    if (n0 + bn > mask.seqlen_k) return false;
-    const int64_t m_last = min<int64_t>(m0 + bm, mask.seqlen_q) - 1;
-    if (m_last < m0) return true;
-    const policy::KeyRange lo = mask.keys_of(m0);     // smallest last key
-    const policy::KeyRange hi = mask.keys_of(m_last); // largest first key
-    return hi.first <= n0 && lo.last >= n0 + bn - 1;
+  // The keys that every query row of [m0, m1) sees (rows past len_q count as seeing everything: their
+  // results are discarded), for Span::covers of a key tile. Computed once per CTA: per tile it is then two
+  // compares (the int64 window arithmetic per tile cost ~85 instructions per iteration).
+  __device__ __forceinline__ Span keys_seen_by_all(int m0, int m1) const {
+    const int64_t m_last = min<int64_t>(m1, mask.seqlen_q) - 1;
+    if (m_last < m0) return Span::everything();
+    // Ranges slide monotonically: the first row has the smallest last key, the last row the largest first.
+    return Span::of(mask.keys_of(m_last).first, mask.keys_of(m0).last);
+  }
+
+  // The query rows that see every key of [n0, n1) (none when the tile runs past len_k), for Span::covers of a
+  // query tile (rows past len_q count as covered).
+  __device__ __forceinline__ Span rows_seeing_all(int n0, int n1) const {
+    if (n1 > mask.seqlen_k) return Span::none();
+    // Row i sees all of them iff first(i) <= n0 and last(i) >= n1 - 1: the queries of key n0's window
+    // that also reach key n1 - 1.
+    const policy::KeyRange a = mask.queries_of_keys(n1 - 1, n1);
+    const policy::KeyRange b = mask.queries_of_keys(n0, n0 + 1);
+    Span span = Span::of(a.first, b.last);
+    if (span.last >= mask.seqlen_q - 1) span.last = INT32_MAX;  // rows past len_q are covered too
+    return span;
   }
 };
 

@@ -223,6 +223,7 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
     const int64_t q_last = n0 < seq.len_k ? min<int64_t>(qs.last, seq.len_q - 1) : -1;
     const int m_first = q_last >= q_first ? static_cast<int>(q_first / kBlockM) : 0;
     const int m_last = q_last >= q_first ? static_cast<int>(q_last / kBlockM) + 1 : 0;
+    const Span seeing_all = shape.rows_seeing_all(n0, n0 + kBlockN);  // query tiles inside need no mask
 
     Tensor acc_dk = partition_fragment_C(mma_dkv, TileN{});
     Tensor acc_dv = partition_fragment_C(mma_dkv, TileN{});
@@ -241,10 +242,12 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
     cp_async_fence();
 
     // The next query tile's Q or dO into buffer `to`.
+    // Unpredicated when the tile is whole (every tile but a sequence's last, at a compiled head dim).
     const auto load_next = [&](int m, auto const& g, int to, int cols) {
       const int q_rows = seq.len_q - (m + 1) * kBlockM;
       Tensor dst = make_tensor(make_smem_ptr(base + to * kQ), typename T::SmemLayoutQ{});
-      copy_rows(gload, gthr.partition_S(g(_, _, m + 1)), gthr.partition_D(dst), tQcQ, q_rows, cols);
+      copy_tile(gload, gthr.partition_S(g(_, _, m + 1)), gthr.partition_D(dst), tQcQ, q_rows, cols,
+                q_rows >= kBlockM && cols == kHeadDim);
       cp_async_fence();
     };
     for (int m = m_first; m < m_last; ++m) {
@@ -280,7 +283,7 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
 
       Tensor s = rowcol(acc_s);
       Tensor dp = rowcol(acc_dp);
-      const bool masked = !shape.tile_unmasked(m0, kBlockM, n0, kBlockN);
+      const bool masked = !seeing_all.covers(m0, kBlockM);
       // P = exp2(x - lse) and dS = P (dP - D) (times 1 - tanh² under softcap), element by element as the
       // scores are shaped.
       shape_scores_each<kShaped>(s, coord_rc, m0 + coords.row_base, n0 + coords.col_base, shape, masked,

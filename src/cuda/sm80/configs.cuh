@@ -7,7 +7,9 @@
 // (64 with one), 64 at 96, 32 at 128 (64 spilled registers there), 64 beyond. Chosen by timing
 // variants on the H200 (bench/results/gpu-tuning-2026-12-01.json).
 // Backward: the K/V tile stays in shared memory while query tiles stream (Q and dO double-buffered);
-// key tiles of 128 up to head dim 128, 64 beyond, where dK and dV accumulators grow with the head dim.
+// key tiles of 128 up to head dim 128, 64 beyond, where dK and dV accumulators grow with the head dim;
+// query tiles of 64. At head dims 192 and 256 the dK/dV and dQ products put 4 warps along the head dim
+// (one third less shared-memory traffic than 2; 160 and 224 are not multiples of 64).
 // Each has a small-shared-memory twin for sm_86 / sm_89 (SmemClass, params.hpp).
 #pragma once
 
@@ -62,13 +64,13 @@ constexpr int forward_smem_bytes_as() {
 template <class Element, int kHeadDim, SmemClass kClass>
 struct BwdConfigOf;
 template <class E> struct BwdConfigOf<E, 32, SmemClass::kLarge> { using type = BwdTraits<E, 32, 128, 128, 8, 4, 4, 4>; };
-template <class E> struct BwdConfigOf<E, 64, SmemClass::kLarge> { using type = BwdTraits<E, 64, 128, 128, 8, 4, 2, 2>; };
+template <class E> struct BwdConfigOf<E, 64, SmemClass::kLarge> { using type = BwdTraits<E, 64, 64, 128, 8, 2, 4, 4>; };
 template <class E> struct BwdConfigOf<E, 96, SmemClass::kLarge> { using type = BwdTraits<E, 96, 64, 128, 8, 2, 4, 4>; };
 template <class E> struct BwdConfigOf<E, 128, SmemClass::kLarge> { using type = BwdTraits<E, 128, 64, 128, 8, 2, 4, 2>; };
 template <class E> struct BwdConfigOf<E, 160, SmemClass::kLarge> { using type = BwdTraits<E, 160, 64, 64, 8, 4, 4, 4>; };
-template <class E> struct BwdConfigOf<E, 192, SmemClass::kLarge> { using type = BwdTraits<E, 192, 64, 64, 8, 4, 4, 4>; };
+template <class E> struct BwdConfigOf<E, 192, SmemClass::kLarge> { using type = BwdTraits<E, 192, 64, 64, 8, 4, 2, 2>; };
 template <class E> struct BwdConfigOf<E, 224, SmemClass::kLarge> { using type = BwdTraits<E, 224, 64, 64, 8, 4, 4, 4>; };
-template <class E> struct BwdConfigOf<E, 256, SmemClass::kLarge> { using type = BwdTraits<E, 256, 64, 64, 8, 4, 4, 4>; };
+template <class E> struct BwdConfigOf<E, 256, SmemClass::kLarge> { using type = BwdTraits<E, 256, 64, 64, 8, 4, 2, 2>; };
 
 template <class E, int d, int m, int n, int w, int a, int b, int c, bool dbl>
 using BwdSmall = BwdTraits<E, d, m, n, w, a, b, c, dbl, SmemClass::kSmall>;

@@ -36,6 +36,7 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
   const ScoreShape shape(p, b, h, seq.len_q, seq.len_k);
   int n_first, n_last;
   shape.key_tiles(m0, min(m0 + kBlockM, seq.len_q), kBlockN, n_first, n_last);
+  const Span seen_by_all = shape.keys_seen_by_all(m0, m0 + kBlockM);  // key tiles inside need no mask
 
   // ---- global and shared views
   const auto gmem = [](Tensor3 const& t, int64_t offset, int rows) {
@@ -127,8 +128,7 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
 
     gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma, copy_q, copy_k, thr_copy_q, thr_copy_k);
     Tensor s = rowcol(acc_s);
-    shape_scores(s, coord_rc, m0 + coords.row_base, n0 + coords.col_base, shape,
-                 !shape.tile_unmasked(m0, kBlockM, n0, kBlockN));
+    shape_scores(s, coord_rc, m0 + coords.row_base, n0 + coords.col_base, shape, !seen_by_all.covers(n0, kBlockN));
 
     __syncthreads();  // every warp is done reading K[n]
     if (n > n_first) {
