@@ -13,7 +13,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "cuda/sm80/configs.cuh"
+#include "cuda/sm80/backward.cuh"
+#include "cuda/sm80/forward.cuh"
 
 namespace flare::tools {  // named: nvcc's host stubs cannot name kernels in an anonymous namespace
 
@@ -163,23 +164,38 @@ int main() {
   cudaMalloc(&bufs.lse, sizeof(float) * kTokens * 64);
   cudaMalloc(&bufs.workspace, sizeof(float) * (n + size_t{kTokens} * 64) + (1 << 20));
 
+  using Large = std::integral_constant<SmemClass, SmemClass::kLarge>;
   for (bool causal : {false, true}) {
+    // The forward on short sequences: the shipped choice (forward_shape) against the 128-row tiles alone.
+    for (int seqlen : {512, 1024, 2048, 4096}) {
+      time_variant<Shipped<bf16, 64>>("hd64 fwd shipped", 64, seqlen, causal, bufs);
+      if (causal) time_variant<FwdConfig<bf16, 64, FwdShape::kLongWindowed>>("hd64 fwd long", 64, seqlen, causal, bufs);
+      else time_variant<FwdConfig<bf16, 64, FwdShape::kShort>>("hd64 fwd short", 64, seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 128>>("hd128 fwd shipped", 128, seqlen, causal, bufs);
+      time_variant<FwdConfig<bf16, 128, FwdShape::kShort>>("hd128 fwd short", 128, seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 256>>("hd256 fwd shipped", 256, seqlen, causal, bufs);
+      time_variant<FwdConfig<bf16, 256, FwdShape::kLong>>("hd256 fwd long", 256, seqlen, causal, bufs);
+    }
     for (int seqlen : {1024, 8192}) {
-      // The shipped configurations, then the alternatives under study.
+      // The shipped backward configurations, then the alternatives under study.
       time_variant<Shipped<bf16, 64>, BwdConfig<bf16, 64>>("hd64 shipped", 64, seqlen, causal, bufs);
-      time_variant<Shipped<bf16, 64>, BwdTraits<bf16, 64, 128, 128, 8, 4, 2, 2>>("hd64 bwd 128x128 atoms 4-2-2", 64,
-                                                                              seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 64>, BwdTraits<bf16, 64, 64, 128, 8, 2, 4, 4>>("hd64 bwd 64x128 2-4-4", 64,
+                                                                             seqlen, causal, bufs);
       time_variant<Shipped<bf16, 128>, BwdConfig<bf16, 128>>("hd128 shipped", 128, seqlen, causal, bufs);
-      time_variant<Shipped<bf16, 128>, BwdTraits<bf16, 128, 64, 128, 8, 2, 4, 4>>("hd128 bwd atoms 2-4-4", 128,
-                                                                               seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 192>, BwdConfig<bf16, 192>>("hd192 shipped", 192, seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 192>, BwdTraits<bf16, 192, 64, 64, 8, 4, 2, 2>>("hd192 bwd dQ whole", 192,
+                                                                             seqlen, causal, bufs);
       time_variant<Shipped<bf16, 256>, BwdConfig<bf16, 256>>("hd256 shipped", 256, seqlen, causal, bufs);
-      time_variant<Shipped<bf16, 256>, BwdTraits<bf16, 256, 64, 64, 8, 4, 4, 4>>("hd256 bwd atoms 4-4-4", 256,
-                                                                              seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 256>, BwdTraits<bf16, 256, 64, 64, 8, 4, 2, 2>>("hd256 bwd dQ whole", 256,
+                                                                             seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 224>, BwdConfig<bf16, 224>>("hd224 shipped", 224, seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 224>, BwdTraits<bf16, 224, 64, 64, 8, 4, 4, 4, true, Large::value, 32>>(
+          "hd224 bwd dQ 32-col", 224, seqlen, causal, bufs);
 #ifdef FLARE_CUDA_ALL_CONFIGS
       // The small-shared-memory class (sm_86 / sm_89 shapes), timed on this GPU.
-      time_variant<FwdConfig<bf16, 128, false, SmemClass::kSmall>, BwdConfig<bf16, 128, SmemClass::kSmall>>(
+      time_variant<FwdConfig<bf16, 128, FwdShape::kLong, SmemClass::kSmall>, BwdConfig<bf16, 128, SmemClass::kSmall>>(
           "hd128 small class", 128, seqlen, causal, bufs);
-      time_variant<FwdConfig<bf16, 256, false, SmemClass::kSmall>, BwdConfig<bf16, 256, SmemClass::kSmall>>(
+      time_variant<FwdConfig<bf16, 256, FwdShape::kLong, SmemClass::kSmall>, BwdConfig<bf16, 256, SmemClass::kSmall>>(
           "hd256 small class", 256, seqlen, causal, bufs);
 #endif
     }

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <string_view>
 
 #include "api/checks.hpp"
 #include "api/error.hpp"
@@ -95,6 +96,15 @@ int smem_limit(int device_limit) {
   const long v = std::strtol(env, &end, 10);
   if (*end != '\0' || v <= 0) return device_limit;  // malformed: ignored, as an unset variable
   return static_cast<int>(std::min<long>(v, device_limit));
+}
+
+// The forward tile the environment forces with FLARE_CUDA_FWD_ROWS (64 or 128 query rows per CTA; tests run
+// both shapes whatever the lengths would pick), else 0: forward_shape's rule.
+int forced_forward_rows() {
+  const char* env = std::getenv("FLARE_CUDA_FWD_ROWS");
+  if (env == nullptr) return 0;
+  const std::string_view v(env);
+  return v == "64" ? 64 : v == "128" ? 128 : 0;  // anything else: ignored, as an unset variable
 }
 
 // What the GPU path needs beyond the C ABI's rules, for the problem's pass (forward or backward): picks the
@@ -268,6 +278,7 @@ flare_status forward(const Problem& p) {
   if (p.batch == 0 || p.seqlen_q == 0 || p.nheads == 0) return FLARE_OK;
   AttnParams a;
   fill_attn(p, &a);
+  a.forward_rows = forced_forward_rows();
   auto stream = static_cast<cudaStream_t>(p.stream);
   const cudaError_t e = by_tile(p.dtype, k.tile, cudaErrorInvalidValue,
                                 [&]<flare_dtype D, int d>() { return sm80::run_forward<D, d>(a, stream, k.cls); });

@@ -105,6 +105,28 @@ def test_headdim_v(dtype, seqlens, dims, causal):
                     headdim_v=dims[1], causal=causal))
 
 
+# ---- both forward tile shapes at every head dim, whatever the lengths would pick -----------------------------
+# The forward runs 64-row query tiles on short sequences and 128-row ones on long (sm80::forward_shape), so
+# the lengths above reach only one shape for some head dims; FLARE_CUDA_FWD_ROWS forces each ("junk": an
+# unusable value, ignored).
+
+FORCED_ROWS = ["64", "128", "junk"]
+FORCED_SEQLENS = [(113, 203), (1023, 1024)] if not SMALL else [(13, 29)]
+FORCED_MASKS = {"full": {}, "causal": dict(causal=True), "window": dict(window=(37, 11))}
+
+
+@pytest.mark.parametrize("mask", list(FORCED_MASKS))
+@pytest.mark.parametrize("headdim", HEADDIMS, ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("seqlens", FORCED_SEQLENS, ids=_id)
+@pytest.mark.parametrize("rows", FORCED_ROWS)
+def test_forward_tiles(monkeypatch, rows, seqlens, headdim, mask):
+    monkeypatch.setenv("FLARE_CUDA_FWD_ROWS", rows)
+    sq, sk = seqlens
+    nheads, nheads_k = heads_cycle(HEADDIMS.index(headdim))
+    check_case(Case(dtype=torch.bfloat16, batch=2, seqlen_q=sq, seqlen_k=sk, nheads=nheads, nheads_k=nheads_k,
+                    headdim=headdim, **FORCED_MASKS[mask]), backward=False)
+
+
 # ---- varlen: ragged lengths, empty sequences, seqused_k ------------------------------------------------------
 
 if SMALL:

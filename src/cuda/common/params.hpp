@@ -42,6 +42,10 @@ struct AttnParams {
   int window_right = -1;
   const float* alibi_slopes = nullptr;
   int64_t alibi_batch_stride = 0;
+
+  // Query rows per forward CTA: 0 = by the sequence lengths (sm80::forward_shape); 64 or 128 forces that tile
+  // (tests, through FLARE_CUDA_FWD_ROWS: each shape must be checked whatever the lengths pick).
+  int forward_rows = 0;
 };
 
 // Kernel configurations come in two shared-memory classes: kLarge uses up to 208 KB per block (sm_80 allows

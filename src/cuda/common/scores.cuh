@@ -17,6 +17,13 @@ namespace flare::cuda {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
+// 2^x (ex2.approx: relative error ~2^-22, -inf -> 0).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // tanh from one ex2 and one reciprocal: tanh(u) = 1 - 2 / (e^{2u} + 1). Absolute error ~1e-7, saturating
 // cleanly to ±1 (no call to the libdevice tanhf, whose register appetite spilled the kernels).
 __device__ __forceinline__ float tanh_fast(float u) {
@@ -29,14 +36,17 @@ __device__ __forceinline__ float tanh_fast(float u) {
 // True when a call has softcap or ALiBi: the score transform, which kernels may compile separately.
 inline bool shaped_scores(AttnParams const& p) { return p.softcap > 0.f || p.alibi_slopes != nullptr; }
 
+__device__ __forceinline__ int clamp_to_int(int64_t x) {
+  return static_cast<int>(max<int64_t>(min<int64_t>(x, INT32_MAX), INT32_MIN));
+}
+
 // A range [first, last] of key or query positions, clamped to int: covers(x0, n) says whether all of
 // [x0, x0 + n) lies inside it.
 struct Span {
   int first;
   int last;
   __device__ __forceinline__ static Span of(int64_t first, int64_t last) {
-    return {static_cast<int>(max<int64_t>(min<int64_t>(first, INT32_MAX), INT32_MIN)),
-            static_cast<int>(max<int64_t>(min<int64_t>(last, INT32_MAX), INT32_MIN))};
+    return {clamp_to_int(first), clamp_to_int(last)};
   }
   __device__ __forceinline__ static Span everything() { return {INT32_MIN, INT32_MAX}; }
   __device__ __forceinline__ static Span none() { return {INT32_MAX, INT32_MIN}; }
@@ -53,6 +63,12 @@ struct ScoreShape {
   float slope = 0.f;      // ALiBi slope of this (batch, head); 0 = none
   bool transform = false;  // softcap or ALiBi: the tile is rewritten
   float log2_factor = 1.f; // multiply the tile by this to get log2 logits
+  // The mask per element, in int32: key j of row i is visible iff lo_diag <= j - i <= hi_diag and j < len_k.
+  // (The window's keys_of(i) = [i + shift - window_left, i + shift + window_right] clipped to [0, len_k);
+  // j - i always fits in int, and clamping the bounds to int keeps every comparison's outcome.)
+  int lo_diag = INT32_MIN;
+  int hi_diag = INT32_MAX;
+  int len_k = 0;
 
   __device__ __forceinline__ ScoreShape(AttnParams const& p, int b, int h, int len_q, int len_k) {
     mask = policy::WindowMask{len_q, len_k, p.window_left, p.window_right};
@@ -62,6 +78,10 @@ struct ScoreShape {
     if (p.alibi_slopes != nullptr) slope = p.alibi_slopes[b * p.alibi_batch_stride + h];
     transform = softcap > 0.f || slope != 0.f;
     log2_factor = transform ? 1.f : p.scale_log2;
+    const int64_t shift = int64_t{len_k} - len_q;
+    if (p.window_left >= 0) lo_diag = clamp_to_int(shift - p.window_left);
+    if (p.window_right >= 0) hi_diag = clamp_to_int(shift + p.window_right);
+    this->len_k = len_k;
   }
 
   // Key tiles [n_first, n_last) hold every key that a query row of [m0, m1) sees.
@@ -124,11 +144,6 @@ __device__ __forceinline__ void shape_scores_each(S const& s, C const& coord, in
   CUTE_UNROLL
   for (int mi = 0; mi < kRows; ++mi) {
     const int i = m0 + get<0>(coord(mi, 0));
-    // Lengths are int32 (validated), so the row's key range and diagonal fit in int once clamped.
-    const policy::KeyRange keys = sh.mask.keys_of(i);
-    const int first = static_cast<int>(max<int64_t>(keys.first, -1));
-    const int last = static_cast<int>(min<int64_t>(keys.last, INT32_MAX));
-    const int diag = static_cast<int>(sh.mask.diagonal(i));
     CUTE_UNROLL
     for (int ni = 0; ni < kCols; ++ni) {
       const int j = n0 + get<1>(coord(mi, ni));
@@ -141,11 +156,27 @@ __device__ __forceinline__ void shape_scores_each(S const& s, C const& coord, in
           x = sh.softcap * t;
           dtanh = 1.f - t * t;
         }
-        if (sh.slope != 0.f) x += policy::alibi_bias(sh.slope, diag, j);
+        if (sh.slope != 0.f) x += policy::alibi_bias(sh.slope, sh.mask.diagonal(i), j);
         x *= kLog2e;
       }
-      if (masked && (j < first || j > last)) x = -INFINITY;
+      if (masked && (j - i < sh.lo_diag || j - i > sh.hi_diag || j >= sh.len_k)) x = -INFINITY;
       emit(mi, ni, x, dtanh);
+    }
+  }
+}
+
+// The window mask alone, in place: -inf where key j of row i is outside it. For kernels without the transform,
+// called only on boundary tiles, before the exponentials: kept apart from them, the compiler keeps the
+// mask behind a branch (merged into one loop, it issued the mask's compares on every tile).
+template <class S, class C>
+__device__ __forceinline__ void mask_scores(S& s, C const& coord, int m0, int n0, ScoreShape const& sh) {
+  CUTE_UNROLL
+  for (int mi = 0; mi < decltype(size<0>(s))::value; ++mi) {
+    const int i = m0 + get<0>(coord(mi, 0));
+    CUTE_UNROLL
+    for (int ni = 0; ni < decltype(size<1>(s))::value; ++ni) {
+      const int j = n0 + get<1>(coord(mi, ni));
+      if (j - i < sh.lo_diag || j - i > sh.hi_diag || j >= sh.len_k) s(mi, ni) = -INFINITY;
     }
   }
 }

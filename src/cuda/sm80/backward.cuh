@@ -5,8 +5,9 @@
 //                       in registers; dQ partial products go to an fp32 buffer with atomicAdd;
 //   3. dq_kernel (+ dkv_reduce_kernel for GQA/MQA): fp32 buffers -> the caller's dq (dk, dv) with the scale.
 // The dQ buffer holds each kBlockM-row tile in fragment order: element i of thread t's dQ accumulator at
-// i * kThreads + t. Each atomicAdd instruction of a warp then covers 32 consecutive floats (one 128-byte line)
-// instead of eight half-used 32-byte sectors; dq_kernel maps the order back to (row, column).
+// i * kThreads + t, per column slice of kDqCols (the slices one after the other). Each atomicAdd instruction of
+// a warp then covers 32 consecutive floats (one 128-byte line) instead of eight half-used 32-byte sectors;
+// dq_kernel maps the order back to (row, column).
 // Deterministic mode: each CTA walks several key tiles in a fixed order and owns one of `dq_splits` dq
 // buffers, so every dq element receives its additions in the same order; the buffers are summed in order.
 #pragma once
@@ -14,61 +15,9 @@
 #include <cuda_runtime.h>
 
 #include "cuda/common/scores.cuh"
-#include "cuda/sm80/forward.cuh"
-#include "cuda/sm80/traits.cuh"
+#include "cuda/sm80/configs.cuh"
 
 namespace flare::cuda::sm80 {
-
-// kDoubleBuffer: Q and dO tiles double-buffered (the next pair loads during this one's products); single-
-// buffered, the next dO loads once the dV product is done with this one and the next Q after the dK product.
-// kClass: the shared-memory class the configuration belongs to (body_here).
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kAtomMSdP, int kAtomNdKV,
-          int kAtomMdQ, bool kDoubleBuffer_ = true, SmemClass kClass_ = SmemClass::kLarge>
-struct BwdTraits {
-  using Element = Element_;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = kBlockM_;
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr int kWarps = kWarps_;
-  static constexpr int kThreads = kWarps * 32;
-  static constexpr bool kDoubleBuffer = kDoubleBuffer_;
-  static constexpr SmemClass kClass = kClass_;
-
-  template <int kAtomM>
-  using Mma = TiledMMA<MmaAtom<Element>, Layout<Shape<Int<kAtomM>, Int<kWarps / kAtomM>, _1>>,
-                       Tile<Int<16 * kAtomM>, Int<16 * (kWarps / kAtomM)>, _16>>;
-  using MmaSdP = Mma<kAtomMSdP>;  // S = Q K^T and dP = dO V^T:      (kBlockM x kBlockN)
-  using MmadKV = Mma<kAtomNdKV>;  // dV += P^T dO and dK += dS^T Q:  (kBlockN x kHeadDim)
-  using MmadQ = Mma<kAtomMdQ>;    // dQ = dS K:                       (kBlockM x kHeadDim)
-
-  using SmemD = SmemRowTile<Element, kHeadDim>;
-  using SmemLayoutQ = typename SmemD::template Layout<kBlockM>;
-  using SmemLayoutKV = typename SmemD::template Layout<kBlockN>;
-  using SmemLayoutQt =
-      decltype(composition(SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>>{}, GenRowMajor{})));
-  using SmemLayoutKt =
-      decltype(composition(SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
-  using SmemN = SmemRowTile<Element, kBlockN>;
-  using SmemLayoutP = typename SmemN::template Layout<kBlockM>;
-  using SmemLayoutPt =
-      decltype(composition(SmemLayoutP{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, GenRowMajor{})));
-
-  using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
-  using SmemCopyAtomT = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
-  using SmemCopyAtomP = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
-  using SmemCopyAtomO = Copy_Atom<DefaultCopy, Element>;
-
-  using GmemLoad = typename GmemCopy<Element, SmemD::kChunk, kThreads, true>::Tiled;
-  using GmemStore = typename GmemCopy<Element, SmemD::kChunk, kThreads, false>::Tiled;
-
-  static constexpr int kQBytes = int(sizeof(Element)) * cosize(SmemLayoutQ{});
-  static constexpr int kKVBytes = int(sizeof(Element)) * cosize(SmemLayoutKV{});
-  static constexpr int kPBytes = int(sizeof(Element)) * cosize(SmemLayoutP{});
-  // Q and dO (one or two buffers each), K, V, P, dS.
-  static constexpr int kQBuffers = kDoubleBuffer ? 2 : 1;
-  static constexpr int kSmemBytes = 2 * kQBuffers * kQBytes + 2 * kKVBytes + 2 * kPBytes;
-  static_assert(kClass == SmemClass::kLarge || kSmemBytes <= kSmallSmemBytes, "a small configuration over 99 KB");
-};
 
 // ---- 1. D = rowsum(dout * out) ----------------------------------------------------------------------------
 constexpr int kRowsPerCta = 64;
@@ -179,7 +128,9 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
   Tensor rdSt = thr_dkv.partition_fragment_A(shape_only<Element>(Shape<Int<kBlockN>, Int<kBlockM>>{}));
   Tensor rQt = thr_dkv.partition_fragment_B(shape_only<Element>(Shape<Int<kHeadDim>, Int<kBlockM>>{}));
   Tensor rdS = thr_dq.partition_fragment_A(shape_only<Element>(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-  Tensor rKt = thr_dq.partition_fragment_B(shape_only<Element>(Shape<Int<kHeadDim>, Int<kBlockN>>{}));
+  constexpr int kDqCols = T::kDqCols;
+  using TileDq = Shape<Int<kBlockM>, Int<kDqCols>>;
+  Tensor rKt = thr_dq.partition_fragment_B(shape_only<Element>(Shape<Int<kDqCols>, Int<kBlockN>>{}));
 
   // Shared -> register copies.
   auto copy_a_sdp = make_tiled_copy_A(typename T::SmemCopyAtom{}, mma_sdp);
@@ -202,7 +153,7 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
   Tensor tPsPt = thr_a_dkv.partition_S(sPt);
   Tensor tdSsdSt = thr_a_dkv.partition_S(sdSt);
   Tensor tdQsdS = thr_a_dq.partition_S(sdS);
-  Tensor tdQsKt = thr_b_dq.partition_S(sKt);
+  Tensor sKt_slices = local_tile(sKt, Shape<Int<kDqCols>, Int<kBlockN>>{}, make_coord(_, 0));  // (cols, N, slice)
   Tensor tPsP = thr_p.partition_D(sP);
   Tensor tPsdS = thr_p.partition_D(sdS);
 
@@ -281,17 +232,27 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
       gemm_ss(acc_dp, rdO, rV, thr_a_sdp.partition_S(sdO_at(buf)), tSsV, mma_sdp, copy_a_sdp, copy_b_sdp,
               thr_a_sdp, thr_b_sdp);
 
+      // P = exp2(x - lse) and dS = P (dP - D) (times 1 - tanh² under softcap), element by element as the
+      // scores are shaped. Both products come first: P computed between them (stored while dP runs) timed
+      // 4-7% slower on the H200 (bench/results/gpu-tuning-2026-12-01-3.json).
       Tensor s = rowcol(acc_s);
       Tensor dp = rowcol(acc_dp);
       const bool masked = !seeing_all.covers(m0, kBlockM);
-      // P = exp2(x - lse) and dS = P (dP - D) (times 1 - tanh² under softcap), element by element as the
-      // scores are shaped.
-      shape_scores_each<kShaped>(s, coord_rc, m0 + coords.row_base, n0 + coords.col_base, shape, masked,
-                        [&](int r, int c, float x, float dtanh) {
-                          const float pr = fast_exp2(fmaf(x, f, -lse2[r]));
-                          s(r, c) = pr;
-                          dp(r, c) = pr * (dp(r, c) - dd[r]) * dtanh;
-                        });
+      const auto p_and_ds = [&](int r, int c, float x, float dtanh) {
+        const float pr = fast_exp2(fmaf(x, f, -lse2[r]));
+        s(r, c) = pr;
+        dp(r, c) = pr * (dp(r, c) - dd[r]) * dtanh;
+      };
+      if constexpr (kShaped) {
+        shape_scores_each(s, coord_rc, m0 + coords.row_base, n0 + coords.col_base, shape, masked, p_and_ds);
+      } else {
+        if (masked) mask_scores(s, coord_rc, m0 + coords.row_base, n0 + coords.col_base, shape);
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(s); ++c) p_and_ds(r, c, s(r, c), 1.f);
+        }
+      }
       // P and dS to shared memory: the dK/dV products read them transposed, the dQ product as they are.
       Tensor p_elem = convert_fragment<Element>(acc_s);
       copy(copy_p, thr_p.retile_S(p_elem), tPsP);
@@ -306,11 +267,14 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
         load_next(m, gdO, kBufs, p.headdim_v);
       }
       // dQ before dK: its atomics then drain while the dK product keeps the tensor cores busy.
-      {
-        Tensor acc_dq = partition_fragment_C(mma_dq, TileM{});
+      CUTE_UNROLL
+      for (int slice = 0; slice < kHeadDim / kDqCols; ++slice) {
+        Tensor acc_dq = partition_fragment_C(mma_dq, TileDq{});
         clear(acc_dq);
-        gemm_ss(acc_dq, rdS, rKt, tdQsdS, tdQsKt, mma_dq, copy_a_dq, copy_b_dq, thr_a_dq, thr_b_dq);
-        float* dq_tile = dq_accum + static_cast<int64_t>(m0) * kHeadDim + tid;  // fragment order (top)
+        gemm_ss(acc_dq, rdS, rKt, tdQsdS, thr_b_dq.partition_S(sKt_slices(_, _, slice)), mma_dq, copy_a_dq,
+                copy_b_dq, thr_a_dq, thr_b_dq);
+        // Fragment order within the slice; slices one after the other (top).
+        float* dq_tile = dq_accum + static_cast<int64_t>(m0) * kHeadDim + slice * (kBlockM * kDqCols) + tid;
         CUTE_UNROLL
         for (int i = 0; i < size(acc_dq); ++i) atomicAdd(dq_tile + i * T::kThreads, acc_dq(i));
       }
@@ -381,7 +345,6 @@ __global__ void __launch_bounds__(T::kThreads) dq_kernel(const __grid_constant__
   using Element = typename T::Element;
   constexpr int kBlockM = T::kBlockM;
   constexpr int kHeadDim = T::kHeadDim;
-  using TileM = Shape<Int<kBlockM>, Int<kHeadDim>>;
   const int h = blockIdx.y;
   const int b = blockIdx.z;
   const int tid = threadIdx.x;
@@ -389,20 +352,23 @@ __global__ void __launch_bounds__(T::kThreads) dq_kernel(const __grid_constant__
   const int m0 = blockIdx.x * kBlockM;
   if (m0 >= seq.len_q) return;
   typename T::MmadQ mma_dq;
-  using DqCoords = AccCoords<typename T::MmadQ, TileM>;
+  using DqCoords = AccCoords<typename T::MmadQ, Shape<Int<kBlockM>, Int<T::kDqCols>>>;
   const DqCoords coords(mma_dq, tid);
   Tensor offsets = DqCoords::offsets();
   Element* dq = static_cast<Element*>(p.dq.ptr) + seq.q_offset(p.dq, b, h);
   const int64_t split_stride = static_cast<int64_t>(p.nheads) * p.q_rows * kHeadDim;
   const float* src = p.dq_accum + (h * p.q_rows + seq.q_row0(p, b) + m0) * kHeadDim + tid;
-  CUTE_UNROLL
-  for (int i = 0; i < size(offsets); ++i) {
-    const int row = m0 + coords.row_base + get<0>(offsets(i));
-    const int col = coords.col_base + get<1>(offsets(i));
-    if (row >= seq.len_q || col >= p.headdim) continue;
-    float acc = 0.f;
-    for (int s = 0; s < p.dq_splits; ++s) acc += src[s * split_stride + i * T::kThreads];
-    dq[static_cast<int64_t>(row) * p.dq.row_stride + col] = static_cast<Element>(acc * p.scale);
+  for (int slice = 0; slice < kHeadDim / T::kDqCols; ++slice) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(offsets); ++i) {
+      const int row = m0 + coords.row_base + get<0>(offsets(i));
+      const int col = slice * T::kDqCols + coords.col_base + get<1>(offsets(i));
+      if (row >= seq.len_q || col >= p.headdim) continue;
+      float acc = 0.f;
+      const float* at = src + slice * (kBlockM * T::kDqCols) + i * T::kThreads;
+      for (int s = 0; s < p.dq_splits; ++s) acc += at[s * split_stride];
+      dq[static_cast<int64_t>(row) * p.dq.row_stride + col] = static_cast<Element>(acc * p.scale);
+    }
   }
 }
 
@@ -433,10 +399,10 @@ __global__ void __launch_bounds__(256) dkv_reduce_kernel(const __grid_constant__
   }
 }
 
-// Runs the whole backward for one traits type on `stream`; the workspace in p is laid out and dq_accum is
-// zeroed by the caller (backend.cu).
-template <class T>
-cudaError_t launch_backward(BwdParams const& p, cudaStream_t stream) {
+// Runs the whole backward with one traits type and score kernel on `stream`; the workspace in p is laid out and
+// dq_accum is zeroed by the caller (backend.cu).
+template <class T, bool kShaped>
+cudaError_t launch_backward_with(BwdParams const& p, cudaStream_t stream) {
   using Element = typename T::Element;
   const dim3 rows_grid((p.seqlen_q + kRowsPerCta - 1) / kRowsPerCta, p.nheads, p.batch);
   const int n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
@@ -445,7 +411,7 @@ cudaError_t launch_backward(BwdParams const& p, cudaStream_t stream) {
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
 
-  const auto kernel = shaped_scores(p) ? backward_kernel<T, true> : backward_kernel<T, false>;
+  const auto kernel = backward_kernel<T, kShaped>;
   constexpr int kSmem = T::kSmemBytes;
   if constexpr (kSmem > 48 * 1024) {
     if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
@@ -468,6 +434,14 @@ cudaError_t launch_backward(BwdParams const& p, cudaStream_t stream) {
     dkv_reduce_kernel<Element, T::kHeadDim><<<kv_grid, 256, 0, stream>>>(p);
   }
   return cudaGetLastError();
+}
+
+// The backward of a call: traits T, or TShaped for calls with softcap or ALiBi (shaped_scores). Both must
+// have the key-tile height the host sized the workspace for.
+template <class T, class TShaped = T>
+cudaError_t launch_backward(BwdParams const& p, cudaStream_t stream) {
+  static_assert(T::kBlockN == TShaped::kBlockN, "one key-tile height per head dim (backward_block_n)");
+  return shaped_scores(p) ? launch_backward_with<TShaped, true>(p, stream) : launch_backward_with<T, false>(p, stream);
 }
 
 }  // namespace flare::cuda::sm80

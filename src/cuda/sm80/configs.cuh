@@ -1,76 +1,88 @@
 // configs.cuh — the tile shape of each (pass, head dim) on sm80-class GPUs. One place, so the generated
-// translation units (src/cuda/instantiations) and the workspace sizing agree.
+// translation units (src/cuda/instantiations) and the workspace sizing agree. Types only (traits.cuh): the
+// kernels include it, not the other way round, so a change to one pass's kernel rebuilds only that pass.
 //
 // Forward: 128 query rows per CTA, 32 per warp (4 warps) up to head dim 128 — fewer rows per warp would make
 // shared-memory reads of K and V the bottleneck — and 16 per warp (8 warps) beyond, where a 32-row output
 // accumulator alone would exceed the 255-register budget. Key tiles: 128 for head dims <= 64 without a mask
-// (64 with one), 64 at 96, 32 at 128 (64 spilled registers there), 64 beyond. Chosen by timing
-// variants on the H200 (bench/results/gpu-tuning-2026-12-01.json).
+// (64 with one), 64 at 96, 32 at 128 (64 spilled registers there), 64 beyond. Short sequences take 64-row
+// tiles instead (forward_shape). Chosen by timing variants on the H200 (bench/results/gpu-tuning-*.json).
 // Backward: the K/V tile stays in shared memory while query tiles stream (Q and dO double-buffered);
 // key tiles of 128 up to head dim 128, 64 beyond, where dK and dV accumulators grow with the head dim;
-// query tiles of 64. At head dims 192 and 256 the dK/dV and dQ products put 4 warps along the head dim
-// (one third less shared-memory traffic than 2; 160 and 224 are not multiples of 64).
+// query tiles of 128 at head dims <= 64 (half the passes over each K/V tile), 64 beyond. At head dims 192 and
+// 256 the dK/dV and dQ products put 4 warps along the head dim (one third less shared-memory traffic than 2;
+// 160 and 224 are not multiples of 64). From head dim 160 dQ is computed in column slices (kDqCols), each
+// accumulated before the next: 3-5% faster at 192-256 (224 measured for 160 too). The 128-row tiles at head dim 64 timed
+// 5-9% faster than 64 rows (bench/results/gpu-tuning-2026-12-01-3.json).
 // Each has a small-shared-memory twin for sm_86 / sm_89 (SmemClass, params.hpp).
 #pragma once
 
-#include "cuda/sm80/backward.cuh"
-#include "cuda/sm80/forward.cuh"
+#include "cuda/sm80/traits.cuh"
 
 namespace flare::cuda::sm80 {
 
-// FwdConfig<E, d, kWindowed, kClass>: kWindowed for calls with a causal or sliding-window mask, where
-// narrower key tiles waste less work on the diagonal (head dims <= 64 only; larger ones use one shape for
-// both). The small class (<= 99 KB of shared memory) keeps the large shape where it fits (head dims <= 192)
-// and takes 64 x 64 tiles beyond.
-template <class Element, int kHeadDim, bool kWindowed, SmemClass kClass>
+// The forward's shapes per head dim. kLong: 128 query rows per CTA (above); kLongWindowed: the same with a
+// causal or sliding-window mask, where narrower key tiles waste less work on the diagonal (head dims <= 64
+// only); kShort: 64 query rows, 64 keys, 4 warps, for short sequences (forward_shape says when). The small
+// class (<= 99 KB of shared memory) keeps the long shape where it fits (head dims <= 192) and takes the short
+// one beyond.
+enum class FwdShape { kLong, kLongWindowed, kShort };
+
+template <class Element, int kHeadDim, FwdShape kShape, SmemClass kClass>
 struct FwdConfigOf {
+  static constexpr bool kWindowed = kShape == FwdShape::kLongWindowed;
   static constexpr int kBlockN =
       kHeadDim <= 64 ? (kWindowed ? 64 : 128) : kHeadDim <= 96 ? 64 : kHeadDim <= 128 ? 32 : 64;
   static constexpr int kWarps = kHeadDim <= 128 ? 4 : 8;
-  using Large = FwdTraits<Element, kHeadDim, 128, kBlockN, kWarps>;
-  using type = std::conditional_t<kClass == SmemClass::kLarge || Large::kSmemBytes <= kSmallSmemBytes, Large,
-                                  FwdTraits<Element, kHeadDim, 64, 64, 4>>;
+  using Short = FwdTraits<Element, kHeadDim, 64, 64, 4>;
+  using Long = FwdTraits<Element, kHeadDim, 128, kBlockN, kWarps>;
+  using type = std::conditional_t<
+      kShape == FwdShape::kShort, Short,
+      std::conditional_t<kClass == SmemClass::kLarge || Long::kSmemBytes <= kSmallSmemBytes, Long, Short>>;
 };
-template <class Element, int kHeadDim, bool kWindowed = false, SmemClass kClass = SmemClass::kLarge>
-using FwdConfig = typename FwdConfigOf<Element, kHeadDim, kWindowed, kClass>::type;
+template <class Element, int kHeadDim, FwdShape kShape = FwdShape::kLong, SmemClass kClass = SmemClass::kLarge>
+using FwdConfig = typename FwdConfigOf<Element, kHeadDim, kShape, kClass>::type;
 
-template <class Element, int kHeadDim, SmemClass kClass>
-cudaError_t launch_forward_as(AttnParams const& p, cudaStream_t stream) {
-  if constexpr (kHeadDim <= 64) {
-    if (p.window_left >= 0 || p.window_right >= 0) {
-      return launch_forward<FwdConfig<Element, kHeadDim, true, kClass>>(p, stream);
-    }
-  }
-  return launch_forward<FwdConfig<Element, kHeadDim, false, kClass>>(p, stream);
-}
-
-// Runs the forward with the configuration for this call's mask and shared-memory class.
-template <class Element, int kHeadDim>
-cudaError_t launch_forward_for(AttnParams const& p, cudaStream_t stream, SmemClass c = SmemClass::kLarge) {
-  return c == SmemClass::kLarge ? launch_forward_as<Element, kHeadDim, SmemClass::kLarge>(p, stream)
-                                : launch_forward_as<Element, kHeadDim, SmemClass::kSmall>(p, stream);
+// Which forward shape a call runs (a run-time choice: the shapes are compiled side by side). 64-row query
+// tiles win where a 128-row CTA's work is short and, under a causal mask, a large part of it sits on the
+// diagonal: on the H200 (bench/results/gpu-tuning-2026-12-01-3.json, 16384 tokens, bf16) they were 1.34x
+// faster at head dim 64, causal, seqlen 512, 1.11x at 1024 and even at 2048; 1.04x at head dim 128, causal,
+// 512 and no faster from 1024; at head dim 256, 1.04-1.15x causal up to 4096 and 1.01-1.03x without a mask up
+// to 2048. Elsewhere the 128-row tiles are faster (up to 1.18x at head dim 128), so they stay the default.
+// Head dims 32 and 96 follow their neighbours 64 and 128, and 160-224 follow 256 (not timed separately).
+// seqlen_q is the longest sequence (varlen: an upper bound).
+inline FwdShape forward_shape(int head_dim_tile, AttnParams const& p) {
+  const bool windowed = p.window_left >= 0 || p.window_right >= 0;
+  if (p.forward_rows == 64) return FwdShape::kShort;
+  const int short_up_to = head_dim_tile <= 64 ? (windowed ? 1024 : 0)
+                          : head_dim_tile <= 128 ? (windowed ? 512 : 0)
+                                                 : (windowed ? 4096 : 2048);
+  if (p.forward_rows != 128 && p.seqlen_q <= short_up_to) return FwdShape::kShort;
+  return windowed && head_dim_tile <= 64 ? FwdShape::kLongWindowed : FwdShape::kLong;
 }
 
 template <class Element, int kHeadDim, SmemClass kClass>
 constexpr int forward_smem_bytes_as() {
-  constexpr int a = FwdConfig<Element, kHeadDim, false, kClass>::kSmemBytes;
-  constexpr int b = FwdConfig<Element, kHeadDim, true, kClass>::kSmemBytes;
-  return a > b ? a : b;
+  constexpr int a = FwdConfig<Element, kHeadDim, FwdShape::kLong, kClass>::kSmemBytes;
+  constexpr int b = FwdConfig<Element, kHeadDim, FwdShape::kLongWindowed, kClass>::kSmemBytes;
+  constexpr int s = FwdConfig<Element, kHeadDim, FwdShape::kShort, kClass>::kSmemBytes;
+  return a > b ? (a > s ? a : s) : (b > s ? b : s);
 }
 
-// Backward: BwdTraits<E, d, block_m, block_n, warps, atoms S/dP, atoms dK/dV, atoms dQ, double buffer, class>.
+// Backward: BwdTraits<E, d, block_m, block_n, warps, atoms S/dP, atoms dK/dV, atoms dQ, double buffer, class,
+// dQ slice width>.
 // The large class double-buffers Q and dO (up to 208 KB at head dim 256); the small one (<= 99 KB) narrows
 // the tiles and, from head dim 128, single-buffers.
 template <class Element, int kHeadDim, SmemClass kClass>
 struct BwdConfigOf;
 template <class E> struct BwdConfigOf<E, 32, SmemClass::kLarge> { using type = BwdTraits<E, 32, 128, 128, 8, 4, 4, 4>; };
-template <class E> struct BwdConfigOf<E, 64, SmemClass::kLarge> { using type = BwdTraits<E, 64, 64, 128, 8, 2, 4, 4>; };
+template <class E> struct BwdConfigOf<E, 64, SmemClass::kLarge> { using type = BwdTraits<E, 64, 128, 128, 8, 4, 4, 4>; };
 template <class E> struct BwdConfigOf<E, 96, SmemClass::kLarge> { using type = BwdTraits<E, 96, 64, 128, 8, 2, 4, 4>; };
 template <class E> struct BwdConfigOf<E, 128, SmemClass::kLarge> { using type = BwdTraits<E, 128, 64, 128, 8, 2, 4, 2>; };
-template <class E> struct BwdConfigOf<E, 160, SmemClass::kLarge> { using type = BwdTraits<E, 160, 64, 64, 8, 4, 4, 4>; };
-template <class E> struct BwdConfigOf<E, 192, SmemClass::kLarge> { using type = BwdTraits<E, 192, 64, 64, 8, 4, 2, 2>; };
-template <class E> struct BwdConfigOf<E, 224, SmemClass::kLarge> { using type = BwdTraits<E, 224, 64, 64, 8, 4, 4, 4>; };
-template <class E> struct BwdConfigOf<E, 256, SmemClass::kLarge> { using type = BwdTraits<E, 256, 64, 64, 8, 4, 2, 2>; };
+template <class E> struct BwdConfigOf<E, 160, SmemClass::kLarge> { using type = BwdTraits<E, 160, 64, 64, 8, 4, 4, 4, true, SmemClass::kLarge, 32>; };
+template <class E> struct BwdConfigOf<E, 192, SmemClass::kLarge> { using type = BwdTraits<E, 192, 64, 64, 8, 4, 2, 2, true, SmemClass::kLarge, 64>; };
+template <class E> struct BwdConfigOf<E, 224, SmemClass::kLarge> { using type = BwdTraits<E, 224, 64, 64, 8, 4, 4, 4, true, SmemClass::kLarge, 32>; };
+template <class E> struct BwdConfigOf<E, 256, SmemClass::kLarge> { using type = BwdTraits<E, 256, 64, 64, 8, 4, 2, 2, true, SmemClass::kLarge, 128>; };
 
 template <class E, int d, int m, int n, int w, int a, int b, int c, bool dbl>
 using BwdSmall = BwdTraits<E, d, m, n, w, a, b, c, dbl, SmemClass::kSmall>;
@@ -85,5 +97,24 @@ template <class E> struct BwdConfigOf<E, 256, SmemClass::kSmall> { using type = 
 
 template <class Element, int kHeadDim, SmemClass kClass = SmemClass::kLarge>
 using BwdConfig = typename BwdConfigOf<Element, kHeadDim, kClass>::type;
+
+// The backward of calls with softcap or ALiBi (their own kernel, shaped_scores): the same shapes, but 64 query
+// rows at head dims <= 64, where the 128-row kernel with the score transform spills ~1 KB per thread (ptxas,
+// sm_90) and the 64-row one none.
+template <class Element, int kHeadDim, SmemClass kClass>
+struct BwdShapedConfigOf {
+  using type = BwdConfig<Element, kHeadDim, kClass>;
+};
+template <class E> struct BwdShapedConfigOf<E, 32, SmemClass::kLarge> { using type = BwdTraits<E, 32, 64, 128, 8, 2, 4, 4>; };
+template <class E> struct BwdShapedConfigOf<E, 64, SmemClass::kLarge> { using type = BwdTraits<E, 64, 64, 128, 8, 2, 4, 4>; };
+template <class Element, int kHeadDim, SmemClass kClass = SmemClass::kLarge>
+using BwdShapedConfig = typename BwdShapedConfigOf<Element, kHeadDim, kClass>::type;
+
+template <class Element, int kHeadDim, SmemClass kClass>
+constexpr int backward_smem_bytes_as() {
+  constexpr int a = BwdConfig<Element, kHeadDim, kClass>::kSmemBytes;
+  constexpr int b = BwdShapedConfig<Element, kHeadDim, kClass>::kSmemBytes;
+  return a > b ? a : b;
+}
 
 }  // namespace flare::cuda::sm80

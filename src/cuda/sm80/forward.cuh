@@ -7,15 +7,9 @@
 #include <cuda_runtime.h>
 
 #include "cuda/common/scores.cuh"
-#include "cuda/sm80/traits.cuh"
+#include "cuda/sm80/configs.cuh"
 
 namespace flare::cuda::sm80 {
-
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 template <class T>
 __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_constant__ AttnParams p) {
@@ -95,6 +89,9 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
   Tensor coord_s = ScoreCoords::offsets();
   Tensor coord_rc = make_tensor(coord_s.data(), rowcol_layout(coord_s.layout()));
   constexpr int kRows = decltype(size<0>(o_rc))::value;
+  // The skipped rescale keeps a correction per row live across a branch: with score and output accumulators
+  // of 192 registers per thread (head dim 64, 128-key tiles) that made ptxas spill 13 KB per thread.
+  constexpr bool kSkipSettledRescale = kBlockM * (kBlockN + kHeadDim) / T::kThreads <= 160;
 
   float row_max[kRows];
   float row_sum[kRows];
@@ -137,7 +134,12 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
     }
     cp_async_fence();
 
-    // Online softmax: new running max, rescale what was accumulated, exponentiate this tile.
+    // Online softmax: new running max, rescale what was accumulated, exponentiate this tile. Once the running
+    // maxima settle (after the first few tiles, on most rows) the correction is exactly 1: the rescale of the
+    // output accumulator (as many multiplies as the accumulator has registers) is skipped unless a row of the
+    // warp moved its maximum (a warp-uniform branch) — where the registers allow it (kSkipSettledRescale).
+    float correction[kRows];
+    bool moved = false;
     CUTE_UNROLL
     for (int r = 0; r < kRows; ++r) {
       float mx = row_max[r];
@@ -145,7 +147,8 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
       for (int c = 0; c < size<1>(s); ++c) mx = fmaxf(mx, s(r, c));
       mx = quad_max(mx);
       const float base = (mx == -INFINITY ? 0.f : mx) * f;
-      const float correction = fast_exp2(row_max[r] * f - base);  // 0 on the first visible tile
+      correction[r] = fast_exp2(row_max[r] * f - base);  // 0 on the first visible tile
+      moved |= mx != row_max[r];
       row_max[r] = mx;
       float sum = 0.f;
       CUTE_UNROLL
@@ -154,9 +157,14 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
         s(r, c) = e;
         sum += e;
       }
-      row_sum[r] = row_sum[r] * correction + sum;
+      row_sum[r] = row_sum[r] * correction[r] + sum;
+    }
+    if (!kSkipSettledRescale || __any_sync(0xffffffffu, moved)) {
       CUTE_UNROLL
-      for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= correction;
+      for (int r = 0; r < kRows; ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= correction[r];
+      }
     }
     Tensor p_tile = convert_fragment<Element>(acc_s);
     Tensor p_a = make_tensor(p_tile.data(), acc_as_a_layout(p_tile.layout()));
@@ -208,6 +216,26 @@ cudaError_t launch_forward(AttnParams const& p, cudaStream_t stream) {
   const dim3 grid((p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.nheads, p.batch);
   kernel<<<grid, T::kThreads, kSmem, stream>>>(p);
   return cudaGetLastError();
+}
+
+template <class Element, int kHeadDim, SmemClass kClass>
+cudaError_t launch_forward_as(AttnParams const& p, cudaStream_t stream) {
+  switch (forward_shape(kHeadDim, p)) {
+    case FwdShape::kShort:
+      return launch_forward<FwdConfig<Element, kHeadDim, FwdShape::kShort, kClass>>(p, stream);
+    case FwdShape::kLongWindowed:
+      return launch_forward<FwdConfig<Element, kHeadDim, FwdShape::kLongWindowed, kClass>>(p, stream);
+    case FwdShape::kLong:
+      break;
+  }
+  return launch_forward<FwdConfig<Element, kHeadDim, FwdShape::kLong, kClass>>(p, stream);
+}
+
+// Runs the forward with the configuration for this call's mask, lengths and shared-memory class.
+template <class Element, int kHeadDim>
+cudaError_t launch_forward_for(AttnParams const& p, cudaStream_t stream, SmemClass c = SmemClass::kLarge) {
+  return c == SmemClass::kLarge ? launch_forward_as<Element, kHeadDim, SmemClass::kLarge>(p, stream)
+                                : launch_forward_as<Element, kHeadDim, SmemClass::kSmall>(p, stream);
 }
 
 }  // namespace flare::cuda::sm80

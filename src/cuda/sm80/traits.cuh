@@ -1,5 +1,6 @@
 // traits.cuh — tile shapes, shared-memory layouts and copy/MMA atoms of the sm80 kernels (mma.sync m16n8k16,
-// ldmatrix, cp.async). Everything here is a type; the kernels in forward.cuh / backward.cuh use them.
+// ldmatrix, cp.async). Everything here is a type; configs.cuh picks one per (pass, head dim) and the kernels in
+// forward.cuh / backward.cuh use them.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -84,6 +85,63 @@ struct FwdTraits {
 
   static constexpr int kSmemBytes =
       int(sizeof(Element)) * (cosize(SmemLayoutQ{}) + 2 * cosize(SmemLayoutKV{}));
+};
+
+// The backward kernel: a CTA owns kBlockN keys of one (batch, head) and walks the query tiles that see them.
+// kDoubleBuffer: Q and dO tiles double-buffered (the next pair loads during this one's products); single-
+// buffered, the next dO loads once the dV product is done with this one and the next Q after the dK product.
+// kClass: the shared-memory class the configuration belongs to (body_here).
+// kDqCols: dQ = dS K is computed in column slices of this width (0 = the whole head dim), each accumulated
+// into the dQ buffer before the next: a slice's accumulator is what the registers must hold at once.
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kAtomMSdP, int kAtomNdKV,
+          int kAtomMdQ, bool kDoubleBuffer_ = true, SmemClass kClass_ = SmemClass::kLarge, int kDqCols_ = 0>
+struct BwdTraits {
+  static constexpr int kDqCols = kDqCols_ == 0 ? kHeadDim_ : kDqCols_;
+  static_assert(kHeadDim_ % kDqCols == 0 && kDqCols % (16 * (kWarps_ / kAtomMdQ)) == 0,
+                "dQ slices must tile the head dim and the dQ product's columns");
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr bool kDoubleBuffer = kDoubleBuffer_;
+  static constexpr SmemClass kClass = kClass_;
+
+  template <int kAtomM>
+  using Mma = TiledMMA<MmaAtom<Element>, Layout<Shape<Int<kAtomM>, Int<kWarps / kAtomM>, _1>>,
+                       Tile<Int<16 * kAtomM>, Int<16 * (kWarps / kAtomM)>, _16>>;
+  using MmaSdP = Mma<kAtomMSdP>;  // S = Q K^T and dP = dO V^T:      (kBlockM x kBlockN)
+  using MmadKV = Mma<kAtomNdKV>;  // dV += P^T dO and dK += dS^T Q:  (kBlockN x kHeadDim)
+  using MmadQ = Mma<kAtomMdQ>;    // dQ = dS K:                       (kBlockM x kDqCols) per slice
+
+  using SmemD = SmemRowTile<Element, kHeadDim>;
+  using SmemLayoutQ = typename SmemD::template Layout<kBlockM>;
+  using SmemLayoutKV = typename SmemD::template Layout<kBlockN>;
+  using SmemLayoutQt =
+      decltype(composition(SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>>{}, GenRowMajor{})));
+  using SmemLayoutKt =
+      decltype(composition(SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+  using SmemN = SmemRowTile<Element, kBlockN>;
+  using SmemLayoutP = typename SmemN::template Layout<kBlockM>;
+  using SmemLayoutPt =
+      decltype(composition(SmemLayoutP{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, GenRowMajor{})));
+
+  using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
+  using SmemCopyAtomT = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
+  using SmemCopyAtomP = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
+  using SmemCopyAtomO = Copy_Atom<DefaultCopy, Element>;
+
+  using GmemLoad = typename GmemCopy<Element, SmemD::kChunk, kThreads, true>::Tiled;
+  using GmemStore = typename GmemCopy<Element, SmemD::kChunk, kThreads, false>::Tiled;
+
+  static constexpr int kQBytes = int(sizeof(Element)) * cosize(SmemLayoutQ{});
+  static constexpr int kKVBytes = int(sizeof(Element)) * cosize(SmemLayoutKV{});
+  static constexpr int kPBytes = int(sizeof(Element)) * cosize(SmemLayoutP{});
+  // Q and dO (one or two buffers each), K, V, P, dS.
+  static constexpr int kQBuffers = kDoubleBuffer ? 2 : 1;
+  static constexpr int kSmemBytes = 2 * kQBuffers * kQBytes + 2 * kKVBytes + 2 * kPBytes;
+  static_assert(kClass == SmemClass::kLarge || kSmemBytes <= kSmallSmemBytes, "a small configuration over 99 KB");
 };
 
 }  // namespace flare::cuda::sm80

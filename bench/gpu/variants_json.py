@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""Turns the output of tools/cuda_variants (flare_cuda_variants) into a tuning result file: one row per
+(variant, pass, head dim, seqlen, mask), BENCH.md's row fields plus the variant's name and the run's label.
+
+Each input is `LABEL=PATH`: LABEL names the tree the binary was built from (a commit, or a commit plus a
+description of the uncommitted change under test), PATH is the text the binary printed.
+
+    python3 bench/gpu/variants_json.py --out bench/results/gpu-tuning-<date>.json \
+        --notes "what was compared" abc1234=run1.txt "abc1234+change=run2.txt"
+"""
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import meta  # noqa: E402
+
+TOKENS = 16384  # tools/cuda_variants.cu: kTokens, kWidth
+WIDTH = 2048
+LINE = re.compile(r"^(?P<name>.+?)\s+hd\s+(?P<hd>\d+) seqlen\s+(?P<seqlen>\d+) (?P<mask>full|causal)\s+"
+                  r"fwd\s+(?P<fwd>\d+) TFLOP/s(?:\s+bwd\s+(?P<bwd>\d+) TFLOP/s)?\s*(?P<error>.*)$")
+
+
+def parse(label, text):
+    rows = []
+    for line in text.splitlines():
+        m = LINE.match(line)
+        if not m:
+            continue
+        hd, seqlen = int(m["hd"]), int(m["seqlen"])
+        base = {"impl": "flare-sm80", "variant": m["name"].strip(), "dtype": "bf16", "batch": TOKENS // seqlen,
+                "seqlen_q": seqlen, "seqlen_k": seqlen, "nheads": WIDTH // hd, "nheads_k": WIDTH // hd,
+                "headdim": hd, "causal": m["mask"] == "causal", "run": label}
+        if m["error"]:
+            base["error"] = m["error"]
+        for pass_name in ("fwd", "bwd"):
+            if m[pass_name] is not None:
+                rows.append(dict(base, **{"pass": pass_name, "tflops": float(m[pass_name])}))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", metavar="LABEL=PATH")
+    ap.add_argument("--out", required=True, help="result file to write (must not exist)")
+    ap.add_argument("--device", default="NVIDIA H200")
+    ap.add_argument("--notes", default="")
+    args = ap.parse_args()
+    out = Path(args.out)
+    if out.exists():
+        sys.exit(f"variants_json: {out} exists; result files are never rewritten")
+    rows = []
+    for run in args.runs:
+        label, sep, path = run.partition("=")
+        if not sep or not label:
+            sys.exit(f"variants_json: '{run}' is not LABEL=PATH")
+        parsed = parse(label, Path(path).read_text())
+        if not parsed:
+            sys.exit(f"variants_json: no result lines in {path}")
+        rows += parsed
+    commit, dirty = meta.git_commit()
+    doc = {"meta": {"commit": commit, "dirty": dirty, "date": meta.today(), "device": args.device,
+                    "command": "build/cuda/tools/flare_cuda_variants (tools/cuda_variants.cu: kernels launched "
+                               "directly, CUDA events, median of 20 forward / 10 backward runs after 3 warm-up); "
+                               + meta.command_line(__file__),
+                    "notes": args.notes},
+           "rows": rows}
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {len(rows)} rows to {out}")
+
+
+if __name__ == "__main__":
+    main()
