@@ -14,6 +14,10 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import meta as meta_lib  # noqa: E402
 
 PEERS = [("torch-flash", "FA2"), ("torch-cudnn", "cuDNN"), ("torch-efficient", "efficient")]
 
@@ -29,7 +33,7 @@ def fmt(x, digits=0):
 def source_line(meta):
     c = meta.get("ceilings") or {}
     dirty = " (with uncommitted changes)" if meta.get("dirty") else ""
-    text = (f"Measured {meta.get('date', '?')} at commit `{str(meta.get('commit', '?'))[:12]}`{dirty} on "
+    text = (f"Measured {meta.get('date', '?')} at commit `{meta_lib.commit_text(meta)}`{dirty} on "
             f"{meta.get('device', '?')} (driver {meta.get('driver', '?')}), torch {meta.get('torch', '?')}, "
             f"CUDA {meta.get('cuda', '?')}, cuDNN {meta.get('cudnn', '?')}. Command: `{meta.get('command', '?')}`.")
     if c:

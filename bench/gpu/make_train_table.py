@@ -12,13 +12,17 @@ few steps side by side.
 import argparse
 import json
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import meta as meta_lib  # noqa: E402
 
 
 def source_line(meta):
     m = meta.get("model", {})
     t = meta.get("training", {})
     dirty = " (with uncommitted changes)" if meta.get("dirty") else ""
-    return (f"Measured {meta.get('date', '?')} at commit `{str(meta.get('commit', '?'))[:12]}`{dirty} on "
+    return (f"Measured {meta.get('date', '?')} at commit `{meta_lib.commit_text(meta)}`{dirty} on "
             f"{meta.get('device', '?')}, torch {meta.get('torch', '?')}, transformers {meta.get('transformers', '?')}. "
             f"Model: randomly initialised {m.get('class', '?')}, {m.get('parameters', 0) / 1e6:.0f}M parameters "
             f"(hidden {m.get('hidden_size')}, {m.get('num_hidden_layers')} layers, {m.get('num_attention_heads')} "

@@ -39,6 +39,13 @@ def git_commit():
         return os.environ.get("FLARE_COMMIT", "unknown"), None
 
 
+def commit_text(meta):
+    """The commit of a result's meta for a table: the hash cut to 12 characters, and any words after it (FLARE_COMMIT
+    may say more, e.g. "abc1234 (CPU sources: uncommitted work in progress)")."""
+    sha, _, rest = str(meta.get("commit", "?")).partition(" ")
+    return sha[:12] + (f" {rest}" if rest else "")
+
+
 def today():
     return datetime.date.today().isoformat()
 
