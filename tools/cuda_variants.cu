@@ -169,8 +169,8 @@ int main() {
     // The forward on short sequences: the shipped choice (forward_shape) against the 128-row tiles alone.
     for (int seqlen : {512, 1024, 2048, 4096}) {
       time_variant<Shipped<bf16, 64>>("hd64 fwd shipped", 64, seqlen, causal, bufs);
-      if (causal) time_variant<FwdConfig<bf16, 64, FwdShape::kLongWindowed>>("hd64 fwd long", 64, seqlen, causal, bufs);
-      else time_variant<FwdConfig<bf16, 64, FwdShape::kShort>>("hd64 fwd short", 64, seqlen, causal, bufs);
+      time_variant<FwdConfig<bf16, 64, FwdShape::kLong>>("hd64 fwd long", 64, seqlen, causal, bufs);
+      time_variant<FwdTraits<bf16, 64, 128, 128, 4>>("hd64 fwd 128x128x4", 64, seqlen, causal, bufs);
       time_variant<Shipped<bf16, 128>>("hd128 fwd shipped", 128, seqlen, causal, bufs);
       time_variant<FwdConfig<bf16, 128, FwdShape::kShort>>("hd128 fwd short", 128, seqlen, causal, bufs);
       time_variant<Shipped<bf16, 256>>("hd256 fwd shipped", 256, seqlen, causal, bufs);

@@ -4,9 +4,10 @@
 //
 // Forward: 128 query rows per CTA, 32 per warp (4 warps) up to head dim 128 — fewer rows per warp would make
 // shared-memory reads of K and V the bottleneck — and 16 per warp (8 warps) beyond, where a 32-row output
-// accumulator alone would exceed the 255-register budget. Key tiles: 128 for head dims <= 64 without a mask
-// (64 with one), 64 at 96, 32 at 128 (64 spilled registers there), 64 beyond. Short sequences take 64-row
-// tiles instead (forward_shape). Chosen by timing variants on the H200 (bench/results/gpu-tuning-*.json).
+// accumulator alone would exceed the 255-register budget. Key tiles: 64, except 32 at head dim 128 (64
+// spilled registers there). At head dim 64, 128-key tiles (once the choice without a mask) leave no registers
+// for the skipped rescale of forward.cuh; 64-key tiles with it timed 1.10-1.13x faster (gpu-tuning-
+// 2026-12-01-4.json). Short sequences take 64-row tiles instead (forward_shape). Chosen by timing variants on the H200 (bench/results/gpu-tuning-*.json).
 // Backward: the K/V tile stays in shared memory while query tiles stream (Q and dO double-buffered);
 // key tiles of 128 up to head dim 128, 64 beyond, where dK and dV accumulators grow with the head dim;
 // query tiles of 128 at head dims <= 64 (half the passes over each K/V tile), 64 beyond. At head dims 192 and
@@ -21,18 +22,14 @@
 
 namespace flare::cuda::sm80 {
 
-// The forward's shapes per head dim. kLong: 128 query rows per CTA (above); kLongWindowed: the same with a
-// causal or sliding-window mask, where narrower key tiles waste less work on the diagonal (head dims <= 64
-// only); kShort: 64 query rows, 64 keys, 4 warps, for short sequences (forward_shape says when). The small
-// class (<= 99 KB of shared memory) keeps the long shape where it fits (head dims <= 192) and takes the short
-// one beyond.
-enum class FwdShape { kLong, kLongWindowed, kShort };
+// The forward's shapes per head dim. kLong: 128 query rows per CTA (above); kShort: 64 query rows, 64 keys,
+// 4 warps, for short sequences (forward_shape says when). The small class (<= 99 KB of shared memory) keeps
+// the long shape where it fits (head dims <= 192) and takes the short one beyond.
+enum class FwdShape { kLong, kShort };
 
 template <class Element, int kHeadDim, FwdShape kShape, SmemClass kClass>
 struct FwdConfigOf {
-  static constexpr bool kWindowed = kShape == FwdShape::kLongWindowed;
-  static constexpr int kBlockN =
-      kHeadDim <= 64 ? (kWindowed ? 64 : 128) : kHeadDim <= 96 ? 64 : kHeadDim <= 128 ? 32 : 64;
+  static constexpr int kBlockN = kHeadDim == 128 ? 32 : 64;
   static constexpr int kWarps = kHeadDim <= 128 ? 4 : 8;
   using Short = FwdTraits<Element, kHeadDim, 64, 64, 4>;
   using Long = FwdTraits<Element, kHeadDim, 128, kBlockN, kWarps>;
@@ -57,16 +54,14 @@ inline FwdShape forward_shape(int head_dim_tile, AttnParams const& p) {
   const int short_up_to = head_dim_tile <= 64 ? (windowed ? 1024 : 0)
                           : head_dim_tile <= 128 ? (windowed ? 512 : 0)
                                                  : (windowed ? 4096 : 2048);
-  if (p.forward_rows != 128 && p.seqlen_q <= short_up_to) return FwdShape::kShort;
-  return windowed && head_dim_tile <= 64 ? FwdShape::kLongWindowed : FwdShape::kLong;
+  return p.forward_rows != 128 && p.seqlen_q <= short_up_to ? FwdShape::kShort : FwdShape::kLong;
 }
 
 template <class Element, int kHeadDim, SmemClass kClass>
 constexpr int forward_smem_bytes_as() {
   constexpr int a = FwdConfig<Element, kHeadDim, FwdShape::kLong, kClass>::kSmemBytes;
-  constexpr int b = FwdConfig<Element, kHeadDim, FwdShape::kLongWindowed, kClass>::kSmemBytes;
   constexpr int s = FwdConfig<Element, kHeadDim, FwdShape::kShort, kClass>::kSmemBytes;
-  return a > b ? (a > s ? a : s) : (b > s ? b : s);
+  return a > s ? a : s;
 }
 
 // Backward: BwdTraits<E, d, block_m, block_n, warps, atoms S/dP, atoms dK/dV, atoms dQ, double buffer, class,

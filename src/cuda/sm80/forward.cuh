@@ -220,13 +220,8 @@ cudaError_t launch_forward(AttnParams const& p, cudaStream_t stream) {
 
 template <class Element, int kHeadDim, SmemClass kClass>
 cudaError_t launch_forward_as(AttnParams const& p, cudaStream_t stream) {
-  switch (forward_shape(kHeadDim, p)) {
-    case FwdShape::kShort:
-      return launch_forward<FwdConfig<Element, kHeadDim, FwdShape::kShort, kClass>>(p, stream);
-    case FwdShape::kLongWindowed:
-      return launch_forward<FwdConfig<Element, kHeadDim, FwdShape::kLongWindowed, kClass>>(p, stream);
-    case FwdShape::kLong:
-      break;
+  if (forward_shape(kHeadDim, p) == FwdShape::kShort) {
+    return launch_forward<FwdConfig<Element, kHeadDim, FwdShape::kShort, kClass>>(p, stream);
   }
   return launch_forward<FwdConfig<Element, kHeadDim, FwdShape::kLong, kClass>>(p, stream);
 }
