@@ -64,18 +64,25 @@ template <class RowFn>
 inline void pack_b_k_along_rows(uint16_t* dst, int64_t b_chunks, int64_t n0, int64_t n_count, int64_t k_len,
                                 RowFn row) {
   uint32_t* words = reinterpret_cast<uint32_t*>(dst);
+  const int64_t pairs = b_chunks * 16, full = k_len / 2 < pairs ? k_len / 2 : pairs;  // pairs with both k
   for (int64_t n = n0; n < n0 + n_count; ++n) {
     const uint16_t* src = row(n);
     uint32_t* base = words + (n / 16) * b_chunks * (kTileElems / 2) + n % 16;
-    for (int64_t q = 0; q < b_chunks * 16; ++q) {  // pair q holds k = 2q, 2q + 1
-      uint32_t v = 0;
-      if (src != nullptr && 2 * q + 1 < k_len) {
+    // Pair q (k = 2q, 2q + 1) goes to word (q / 16) * 256 + (q % 16) * 16 of the row's tiles.
+    const auto put = [base](int64_t q, uint32_t v) { base[(q / 16) * (kTileElems / 2) + (q % 16) * 16] = v; };
+    int64_t q = 0;
+    if (src != nullptr) {
+      for (; q < full; ++q) {
+        uint32_t v;
         std::memcpy(&v, src + 2 * q, sizeof(v));
-      } else if (src != nullptr && 2 * q < k_len) {
-        v = src[2 * q];
+        put(q, v);
       }
-      base[(q / 16) * (kTileElems / 2) + (q % 16) * 16] = v;
+      if (q < pairs && 2 * q < k_len) {  // an odd k_len's last element
+        put(q, src[2 * q]);
+        ++q;
+      }
     }
+    for (; q < pairs; ++q) put(q, 0u);
   }
 }
 
@@ -90,7 +97,15 @@ inline void pack_b_n_along_rows(uint16_t* dst, int64_t b_chunks, int64_t k0, int
     const uint16_t* even = row(k);
     const uint16_t* odd = row(k + 1);
     uint32_t* base = words + (k / 32) * (kTileElems / 2) + (k % 32) / 2 * 16;
-    for (int64_t n = 0; n < n_pad; ++n) {
+    // Column n goes to word (n / 16) * b_chunks * 256 + n % 16: runs of 16 consecutive words (one vector).
+    int64_t n = 0;
+    if (even != nullptr && odd != nullptr) {
+      for (; n + 16 <= n_len; n += 16) {
+        uint32_t* run = base + (n / 16) * b_chunks * (kTileElems / 2);
+        for (int64_t i = 0; i < 16; ++i) run[i] = even[n + i] | (static_cast<uint32_t>(odd[n + i]) << 16);
+      }
+    }
+    for (; n < n_pad; ++n) {
       const uint32_t lo = (even != nullptr && n < n_len) ? even[n] : 0u;
       const uint32_t hi = (odd != nullptr && n < n_len) ? odd[n] : 0u;
       base[(n / 16) * b_chunks * (kTileElems / 2) + n % 16] = lo | (hi << 16);
@@ -100,13 +115,23 @@ inline void pack_b_n_along_rows(uint16_t* dst, int64_t b_chunks, int64_t k0, int
 
 // C (m x n, fp32, leading dimension ldc) = or += A (m x k, bf16 rows, leading dimension lda) times the B
 // tiles starting at n_group n0 and k_chunk k0 of a VNNI operand with b_chunks chunks per n_group.
-// m, n and k are multiples of 32; each 32 x 32 block of C lives in four accumulator tiles.
+// m, n and k are multiples of 32; each 32 x 32 block of C lives in four accumulator tiles. Tile registers
+// are not renamed, so a load into A0 waits until the last product reading A0 is done: each operand of the
+// next k chunk is loaded right after its last use in this one, overlapping the remaining products.
+// Operands must be 64-byte aligned (rows and strides): a tile load that splits cache lines costs ~7x.
 template <bool Accumulate>
 inline void amx_gemm(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda, const uint16_t* b,
                      int64_t b_chunks, int64_t n0, int64_t k0, float* c, int64_t ldc) {
+  const int64_t nk = k / 32;
   for (int64_t rb = 0; rb < m / 32; ++rb) {
     for (int64_t cb = 0; cb < n / 32; ++cb) {
       float* cblk = c + rb * 32 * ldc + cb * 32;
+      const uint16_t* b0 = b + ((n0 + cb * 2) * b_chunks + k0) * kTileElems;
+      const uint16_t* b1 = b0 + b_chunks * kTileElems;
+      const uint16_t* a0 = a + rb * 32 * lda;
+      const uint16_t* a1 = a0 + 16 * lda;
+      tile_load<kA0>(a0, lda * 2);
+      tile_load<kB0>(b0, 64);
       if constexpr (Accumulate) {
         tile_load<kC00>(cblk, ldc * 4);
         tile_load<kC01>(cblk + 16, ldc * 4);
@@ -118,18 +143,20 @@ inline void amx_gemm(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t
         tile_zero<kC10>();
         tile_zero<kC11>();
       }
-      const uint16_t* b0 = b + ((n0 + cb * 2) * b_chunks + k0) * kTileElems;
-      const uint16_t* b1 = b0 + b_chunks * kTileElems;
-      const uint16_t* a0 = a + rb * 32 * lda;
-      for (int64_t kc = 0; kc < k / 32; ++kc) {
-        tile_load<kA0>(a0 + kc * 32, lda * 2);
-        tile_load<kA1>(a0 + 16 * lda + kc * 32, lda * 2);
-        tile_load<kB0>(b0 + kc * kTileElems, 64);
-        tile_load<kB1>(b1 + kc * kTileElems, 64);
+      tile_load<kB1>(b1, 64);
+      tile_load<kA1>(a1, lda * 2);
+      for (int64_t kc = 0; kc < nk; ++kc) {
+        const bool more = kc + 1 < nk;
         tile_dot_bf16<kC00, kA0, kB0>();
         tile_dot_bf16<kC01, kA0, kB1>();
+        if (more) tile_load<kA0>(a0 + (kc + 1) * 32, lda * 2);
         tile_dot_bf16<kC10, kA1, kB0>();
+        if (more) tile_load<kB0>(b0 + (kc + 1) * kTileElems, 64);
         tile_dot_bf16<kC11, kA1, kB1>();
+        if (more) {
+          tile_load<kB1>(b1 + (kc + 1) * kTileElems, 64);
+          tile_load<kA1>(a1 + (kc + 1) * 32, lda * 2);
+        }
       }
       tile_store<kC00>(cblk, ldc * 4);
       tile_store<kC01>(cblk + 16, ldc * 4);

@@ -32,9 +32,10 @@ inline int64_t max_keys(const Problem& p) {
 template <class T>
 struct ForwardScratch {
   int64_t dp = 0, dvp = 0;  // head dims padded to the vector width
+  int64_t ldkt = 0, ldv = 0;  // row strides of the K^T panels and V rows (padded_ld: B operands)
   struct PerThread {
-    T* kt;  // the key pack in use (shared or private): per block a (headdim x kBk) K^T panel
-    T* v;   // and (kBk x dvp) V rows
+    T* kt;  // the key pack in use (shared or private): per block a (headdim x kBk) K^T panel, stride ldkt
+    T* v;   // and (kBk x dvp) V rows, stride ldv
     T *q, *s, *p, *o, *m, *l;  // Q tile, scores, probabilities, output accumulator, running max and sum
   };
   PerThread* threads = nullptr;
@@ -44,12 +45,14 @@ struct ForwardScratch {
     constexpr int W = Simd<T>::W;
     dp = round_up(p.headdim, W);
     dvp = round_up(p.headdim_v, W);
+    ldkt = padded_ld<T>(Tiles::kBk);
+    ldv = padded_ld<T>(p.headdim_v);
     const int64_t keys = round_up(max_keys(p), Tiles::kBk);
     const int packs = use_private_groups(p, nt) ? nt : 1;
     threads = a.take<PerThread>(nt);
     for (int t = 0; t < nt; ++t) {
-      T* kt = t < packs ? a.take<T>(keys * p.headdim) : threads ? threads[0].kt : nullptr;
-      T* v = t < packs ? a.take<T>(keys * dvp) : threads ? threads[0].v : nullptr;
+      T* kt = t < packs ? a.take<T>(keys / Tiles::kBk * p.headdim * ldkt) : threads ? threads[0].kt : nullptr;
+      T* v = t < packs ? a.take<T>(keys * ldv) : threads ? threads[0].v : nullptr;
       PerThread pt{kt,
                    v,
                    a.take<T>(Tiles::kBq * dp),
@@ -69,23 +72,40 @@ inline void pack_key_block(const Problem& p, const RowPtr& krows, const RowPtr& 
                            int64_t kb, const ForwardScratch<T>& ws, const typename ForwardScratch<T>::PerThread& t) {
   constexpr int64_t Bk = ForwardTiles<T>::kBk;
   const int64_t d = p.headdim, dv = p.headdim_v;
-  T* panel = t.kt + kb * Bk * d;
-  T* vblock = t.v + kb * Bk * ws.dvp;
+  T* panel = t.kt + kb * d * ws.ldkt;
+  T* vblock = t.v + kb * Bk * ws.ldv;
   T* row_buf = t.q;
+  const int64_t kbytes = d * dtype_size(p.dtype), vbytes = dv * dtype_size(p.dtype);
   for (int64_t jj = 0; jj < Bk; ++jj) {
     const int64_t j = kb * Bk + jj;
-    T* vr = vblock + jj * ws.dvp;
+    T* vr = vblock + jj * ws.ldv;
+    if (j + kPrefetchRows < seqlen_k) {
+      prefetch_row(krows.row(j + kPrefetchRows), kbytes);
+      prefetch_row(vrows.row(j + kPrefetchRows), vbytes);
+    }
     if (j < seqlen_k) {
       load_row<T>(krows.row(j), p.dtype, row_buf, d, T(1));
-      for (int64_t c = 0; c < d; ++c) panel[c * Bk + jj] = row_buf[c];
+      for (int64_t c = 0; c < d; ++c) panel[c * ws.ldkt + jj] = row_buf[c];
       load_row<T>(vrows.row(j), p.dtype, vr, dv, T(1));
     } else {
-      for (int64_t c = 0; c < d; ++c) panel[c * Bk + jj] = T(0);
+      for (int64_t c = 0; c < d; ++c) panel[c * ws.ldkt + jj] = T(0);
       for (int64_t c = 0; c < dv; ++c) vr[c] = T(0);
     }
     for (int64_t c = dv; c < ws.dvp; ++c) vr[c] = T(0);
   }
 }
+
+// How a row's exponentials exp(scale * s - m) are formed, to the compute type's accuracy: for float lanes on
+// AVX-512 as 2^(s * scale log2 e - m log2 e) (vexp2<6>, two instructions fewer per vector), else vexp.
+struct RowExpFull {
+  template <class V, class T>
+  static V apply(V x, T scale, T m) {
+#if defined(__AVX512F__) && FLARE_VEC_BYTES == 64
+    if constexpr (std::is_same_v<T, float>) return vexp2<6>(x * (scale * kLog2e) - m * kLog2e);
+#endif
+    return vexp(x * scale - m);
+  }
+};
 
 // Online softmax over one block of a row. The row's scores are scale * s[c] (scale > 0, so the max can be
 // taken before scaling); emit(c, p) receives p = exp(scale * s - m') for each vector at column c, the
@@ -96,8 +116,9 @@ inline void pack_key_block(const Problem& p, const RowPtr& krows, const RowPtr& 
 // may then exceed 1, which is harmless while the block's max stays within kRescaleMargin of m (e^8 ≈ 3000
 // cannot overflow any sum). Only a block that rises further is redone with its own max. Random or trained
 // scores rarely rise by that much after the first blocks, so most blocks need one pass and no rescaling.
-template <class T, class Emit>
-inline T online_softmax_row(const T* s, int64_t n, T scale, T& m, T& l, Emit emit) {
+// RowExp::apply(x, scale, m) forms the exponentials (a path may trade accuracy it does not keep for speed).
+template <class T, class Emit, class RowExp = RowExpFull>
+inline T online_softmax_row(const T* s, int64_t n, T scale, T& m, T& l, Emit emit, RowExp = {}) {
   using V = vec_t<T>;
   constexpr int W = Simd<T>::W;
   constexpr T kRescaleMargin = 8;
@@ -107,7 +128,7 @@ inline T online_softmax_row(const T* s, int64_t n, T scale, T& m, T& l, Emit emi
     for (int64_t c = 0; c < n; c += W) {
       const V x = vload(s + c);
       mx = vmax(mx, x);
-      const V e = vexp(x * scale - m);
+      const V e = RowExp::apply(x, scale, m);
       sum += e;
       emit(c, e);
     }
@@ -126,7 +147,7 @@ inline T online_softmax_row(const T* s, int64_t n, T scale, T& m, T& l, Emit emi
   const T alpha = m == neg_inf ? T(0) : static_cast<T>(std::exp(m - m_new));
   V sum{};
   for (int64_t c = 0; c < n; c += W) {
-    const V e = vexp(vload(s + c) * scale - m_new);
+    const V e = RowExp::apply(vload(s + c), scale, m_new);
     sum += e;
     emit(c, e);
   }
@@ -194,7 +215,7 @@ inline void forward_tile(const Problem& p, const Sequence& seq, int64_t h, int64
     const int64_t j0 = kb * Bk;
     // The last block is cut after the last visible key (causal diagonals, short sequences).
     const int64_t cols = smin(Bk, round_up(last + 1 - j0, W));
-    gemm_tile<T, false>(Bq, cols, d, t.q, dp, t.kt + kb * Bk * d, Bk, t.s, Bk);
+    gemm_tile<T, false>(Bq, cols, d, t.q, dp, t.kt + kb * d * ws.ldkt, ws.ldkt, t.s, Bk);
     if (!plain || !block_fully_visible(mask, i0, rows, j0, cols))
       shape_scores<T>(t.s, Bk, rows, cols, i0, j0, mask, shape, nullptr);
     for (int64_t r = 0; r < rows; ++r) {
@@ -205,7 +226,7 @@ inline void forward_tile(const Problem& p, const Sequence& seq, int64_t h, int64
     }
     for (int64_t r = rows; r < Bq; ++r)
       for (int64_t c = 0; c < cols; c += W) vstore(t.p + r * Bk + c, V{});
-    gemm_tile<T, true>(Bq, dvp, cols, t.p, Bk, t.v + kb * Bk * dvp, dvp, t.o, dvp);
+    gemm_tile<T, true>(Bq, dvp, cols, t.p, Bk, t.v + kb * Bk * ws.ldv, ws.ldv, t.o, dvp);
   }
 
   finish_rows<T>(p, t.o, dvp, t.m, t.l, rows, orows, lse, i0);

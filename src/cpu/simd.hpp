@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #if defined(__F16C__) || defined(__AVX512F__)
 #  include <immintrin.h>
@@ -52,13 +53,40 @@ template <class V>
 inline V vmin(V a, V b) {
   return a < b ? a : b;
 }
+// The same selects for float lanes as single instructions: (v)maxps/(v)minps return their second operand
+// when the comparison is false (NaN, equal zeros), which is exactly a > b ? a : b. GCC emits a compare and
+// a blend for the generic form, two instructions on the softmax's busiest ports. (AVX-512: the masked forms
+// with a full mask, as GCC 12 warns on the unmasked ones' undefined pass-through operand.)
+#if defined(__AVX512F__) && FLARE_VEC_BYTES == 64
+inline vec_t<float> vmax(vec_t<float> a, vec_t<float> b) {
+  const __m512 x = static_cast<__m512>(a);
+  return static_cast<vec_t<float>>(_mm512_mask_max_ps(x, 0xffff, x, static_cast<__m512>(b)));
+}
+inline vec_t<float> vmin(vec_t<float> a, vec_t<float> b) {
+  const __m512 x = static_cast<__m512>(a);
+  return static_cast<vec_t<float>>(_mm512_mask_min_ps(x, 0xffff, x, static_cast<__m512>(b)));
+}
+#elif defined(__AVX2__) && FLARE_VEC_BYTES == 32
+inline vec_t<float> vmax(vec_t<float> a, vec_t<float> b) {
+  return static_cast<vec_t<float>>(_mm256_max_ps(static_cast<__m256>(a), static_cast<__m256>(b)));
+}
+inline vec_t<float> vmin(vec_t<float> a, vec_t<float> b) {
+  return static_cast<vec_t<float>>(_mm256_min_ps(static_cast<__m256>(a), static_cast<__m256>(b)));
+}
+#endif
 template <class T>
 inline vec_t<T> viota() {
   vec_t<T> v;
   for (int i = 0; i < Simd<T>::W; ++i) v[i] = static_cast<T>(i);
   return v;
 }
-// Horizontal sum and max by halving: log2(W) vector steps instead of W - 1 dependent scalar ones.
+// Horizontal sum and max by halving: log2(W) vector steps instead of W - 1 dependent scalar ones. The
+// halves are register shuffles: splitting through memcpy made GCC keep the reduced vector — and with it a
+// loop's running max or sum — in a stack slot, a store-to-load round trip on every step of the loop.
+template <class V, class Op, size_t... I>
+inline auto combine_halves(V v, Op op, std::index_sequence<I...>) {
+  return op(__builtin_shufflevector(v, v, I...), __builtin_shufflevector(v, v, (I + sizeof...(I))...));
+}
 template <class V, class Op>
 inline auto reduce_lanes(V v, Op op) {
   using T = std::remove_cvref_t<decltype(v[0])>;
@@ -66,11 +94,7 @@ inline auto reduce_lanes(V v, Op op) {
   if constexpr (n == 1) {
     return v[0];
   } else {
-    typedef T H __attribute__((vector_size(sizeof(V) / 2)));
-    H lo, hi;
-    std::memcpy(&lo, &v, sizeof(H));
-    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof(H), sizeof(H));
-    return reduce_lanes(op(lo, hi), op);
+    return reduce_lanes(combine_halves(v, op, std::make_index_sequence<n / 2>{}), op);
   }
 }
 template <class V>
@@ -107,14 +131,44 @@ inline V exp_reduced_poly(V r) {  // exp(r) for |r| <= ln2/2
 
 #if defined(__AVX512F__) && FLARE_VEC_BYTES == 64
 // AVX-512: round with vrndscaleps and rebuild 2^n with vscalefps, which also zeroes the underflow lanes.
-// (Masked intrinsic forms with explicit pass-through: GCC 12 warns on the unmasked ones' undefined operand.)
+// Only the top needs clamping: lanes below kExpMinArg (-inf included, whose r is NaN) are zeroed by the
+// final mask whatever the polynomial gave. (Masked intrinsic forms with explicit pass-through: GCC 12 warns
+// on the unmasked ones' undefined operand.)
 inline vec_t<float> vexp(vec_t<float> x) {
   using V = vec_t<float>;
-  const V xc = vmin(vmax(x, vset(kExpMinArg)), vset(kExpMaxArg));
+  const V xc = vmin(x, vset(kExpMaxArg));
   const __m512 t = static_cast<__m512>(xc * kLog2e);
   const V n = static_cast<V>(_mm512_mask_roundscale_ps(t, 0xffff, t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   const V p = exp_reduced_poly((xc - n * kLn2Hi) - n * kLn2Lo);
   const __mmask16 in_range = _mm512_cmp_ps_mask(static_cast<__m512>(x), _mm512_set1_ps(kExpMinArg), _CMP_GE_OQ);
+  return static_cast<V>(_mm512_maskz_scalef_ps(in_range, static_cast<__m512>(p), static_cast<__m512>(n)));
+}
+
+// 2^t for float lanes: t = n + f with n = round(t), |f| <= 1/2, and 2^f = exp(f ln 2) by its Taylor
+// polynomial of degree Degree, whose remainder is at most (ln2 / 2)^(Degree + 1) / (Degree + 1)! * 2 of 2^f:
+// 2.4e-7 for degree 6 (fp32, as vexp), 5e-6 for degree 5 (the bf16 paths, whose probabilities are rounded
+// to bf16, relative step 2^-8, right after). A softmax that forms t = s * (scale log2 e) - m log2 e with one
+// FMA saves vexp's multiply by log2 e and its two-step ln 2 reduction, on every score. Lanes below 2^-126
+// (and -inf) give exactly 0.
+template <int Degree>
+inline vec_t<float> vexp2(vec_t<float> t) {
+  static_assert(Degree >= 2 && Degree <= 6, "Taylor coefficients up to degree 6");
+  using V = vec_t<float>;
+  constexpr float kLn2 = 0.693147180559945309f;
+  constexpr float kCoef[7] = {1.0f,
+                              kLn2,
+                              kLn2 * kLn2 / 2.0f,
+                              kLn2 * kLn2 * kLn2 / 6.0f,
+                              kLn2 * kLn2 * kLn2 * kLn2 / 24.0f,
+                              kLn2 * kLn2 * kLn2 * kLn2 * kLn2 / 120.0f,
+                              kLn2 * kLn2 * kLn2 * kLn2 * kLn2 * kLn2 / 720.0f};
+  const __m512 tc = static_cast<__m512>(vmin(t, vset(128.0f)));  // 2^128 overflows, as exp would
+  const V n = static_cast<V>(_mm512_mask_roundscale_ps(tc, 0xffff, tc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const V f = static_cast<V>(tc) - n;
+  V p = vset(kCoef[Degree]);
+#pragma GCC unroll 8
+  for (int k = Degree - 1; k >= 0; --k) p = p * f + kCoef[k];
+  const __mmask16 in_range = _mm512_cmp_ps_mask(static_cast<__m512>(t), _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
   return static_cast<V>(_mm512_maskz_scalef_ps(in_range, static_cast<__m512>(p), static_cast<__m512>(n)));
 }
 #else
