@@ -85,10 +85,8 @@ inline void pack_backward_keys(const Problem& p, const RowPtr& krows, const RowP
   const int64_t kbytes = d * dtype_size(p.dtype), vbytes = dv * dtype_size(p.dtype);
   for (int64_t jj = 0; jj < Bk; ++jj) {
     const int64_t j = kb * Bk + jj;
-    if (j + kPrefetchRows < seqlen_k) {
-      prefetch_row(krows.row(j + kPrefetchRows), kbytes);
-      prefetch_row(vrows.row(j + kPrefetchRows), vbytes);
-    }
+    prefetch_ahead(krows, j, seqlen_k, kbytes);
+    prefetch_ahead(vrows, j, seqlen_k, vbytes);
     T* kr = pk.k + j * ws.ld;
     for (int64_t c = 0; c < ws.dp; ++c) kr[c] = T(0);
     if (j < seqlen_k) load_row<T>(krows.row(j), p.dtype, kr, d, T(1));
@@ -120,11 +118,9 @@ inline void pack_backward_queries(const Problem& p, const Sequence& seq, int64_t
   const int64_t qbytes = d * dtype_size(p.dtype), obytes = dv * dtype_size(p.dtype);
   for (int64_t ii = 0; ii < Bq; ++ii) {
     const int64_t i = qt * Bq + ii;
-    if (i + kPrefetchRows < seq.seqlen_q) {
-      prefetch_row(qrows.row(i + kPrefetchRows), qbytes);
-      prefetch_row(dorows.row(i + kPrefetchRows), obytes);
-      prefetch_row(orows.row(i + kPrefetchRows), obytes);
-    }
+    prefetch_ahead(qrows, i, seq.seqlen_q, qbytes);
+    prefetch_ahead(dorows, i, seq.seqlen_q, obytes);
+    prefetch_ahead(orows, i, seq.seqlen_q, obytes);
     T* qr = pk.q + i * ws.ld;
     T* dor = pk.dout + i * ws.ldv;
     for (int64_t c = 0; c < ws.dp; ++c) qr[c] = T(0);

@@ -79,10 +79,8 @@ inline void pack_key_block(const Problem& p, const RowPtr& krows, const RowPtr& 
   for (int64_t jj = 0; jj < Bk; ++jj) {
     const int64_t j = kb * Bk + jj;
     T* vr = vblock + jj * ws.ldv;
-    if (j + kPrefetchRows < seqlen_k) {
-      prefetch_row(krows.row(j + kPrefetchRows), kbytes);
-      prefetch_row(vrows.row(j + kPrefetchRows), vbytes);
-    }
+    prefetch_ahead(krows, j, seqlen_k, kbytes);
+    prefetch_ahead(vrows, j, seqlen_k, vbytes);
     if (j < seqlen_k) {
       load_row<T>(krows.row(j), p.dtype, row_buf, d, T(1));
       for (int64_t c = 0; c < d; ++c) panel[c * ws.ldkt + jj] = row_buf[c];

@@ -71,7 +71,7 @@ struct AmxForward {
     const auto key_row = [&](const RowPtr& rows, int64_t bytes) {
       return [&, rows, bytes](int64_t jj) {
         const int64_t j = kb * kBk + jj;
-        if (j + kPrefetchRows < seqlen_k) prefetch_row(rows.row(j + kPrefetchRows), bytes);
+        prefetch_ahead(rows, j, seqlen_k, bytes);
         return j < seqlen_k ? reinterpret_cast<const uint16_t*>(rows.row(j)) : nullptr;
       };
     };

@@ -38,6 +38,10 @@ inline constexpr int64_t kPrefetchRows = 8;
 inline void prefetch_row(const char* row, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
 }
+// The copy of row i of `rows` (n rows) is under way: request row i + kPrefetchRows, where there is one.
+inline void prefetch_ahead(const RowPtr& rows, int64_t i, int64_t n, int64_t bytes) {
+  if (i + kPrefetchRows < n) prefetch_row(rows.row(i + kPrefetchRows), bytes);
+}
 
 struct Sequence {
   int64_t b = 0;
