@@ -2,7 +2,8 @@
 // src/cuda/sm80/configs.cuh. It launches the kernels directly (no C ABI, no checks) on the benchmark
 // protocol's shapes (16384 tokens, width 2048, bf16) and prints TFLOP/s per variant; correctness stays the
 // GPU suite's job (tests/gpu). Not built by default:
-//   cmake --build build/cuda --target flare_cuda_variants && build/cuda/tools/flare_cuda_variants
+//   cmake --build build/cuda --target flare_cuda_variants && build/cuda/tools/flare_cuda_variants [TEXT]
+// (TEXT: only the variants whose name contains it, e.g. to profile one under ncu).
 // Add a variant: one line in main() with the traits to try; ptxas' spill report for it comes with
 // -DCMAKE_CUDA_FLAGS="-Xptxas -v".
 #include <cuda_runtime.h>
@@ -10,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -128,9 +130,13 @@ void run_forward(const AttnParams& p) {
   }
 }
 
+// The variants to run: those whose name contains this text (argv[1]); all when null.
+const char* g_only = nullptr;
+
 // The forward runs first: the backward needs its out and lse.
 template <class Fwd, class Bwd = void>
 void time_variant(const char* name, int headdim, int seqlen, bool causal, const Buffers& bufs) {
+  if (g_only != nullptr && std::strstr(name, g_only) == nullptr) return;
   const AttnParams p = dense(headdim, seqlen, causal, bufs);
   const double fwd = median_ms([&] { run_forward<Fwd>(p); }, 20);
   std::printf("%-34s hd %3d seqlen %5d %-9s fwd %6.0f TFLOP/s", name, headdim, seqlen,
@@ -150,8 +156,9 @@ void time_variant(const char* name, int headdim, int seqlen, bool causal, const 
 
 }  // namespace flare::tools
 
-int main() {
+int main(int argc, char** argv) {
   using namespace flare::tools;
+  if (argc > 1) g_only = argv[1];
   Buffers bufs{};
   const size_t n = size_t{kTokens} * kWidth;
   for (bf16** p : {&bufs.q, &bufs.k, &bufs.v, &bufs.out, &bufs.dout, &bufs.dq, &bufs.dk, &bufs.dv}) {
@@ -164,40 +171,30 @@ int main() {
   cudaMalloc(&bufs.lse, sizeof(float) * kTokens * 64);
   cudaMalloc(&bufs.workspace, sizeof(float) * (n + size_t{kTokens} * 64) + (1 << 20));
 
-  using Large = std::integral_constant<SmemClass, SmemClass::kLarge>;
   for (bool causal : {false, true}) {
-    // The forward on short sequences: the shipped choice (forward_shape) against the 128-row tiles alone.
-    for (int seqlen : {512, 1024, 2048, 4096}) {
+    for (int seqlen : {512, 1024, 2048, 4096, 8192, 16384}) {
+      // The forward: the shipped choice (forward_shape) and both shapes of each head dim.
       time_variant<Shipped<bf16, 64>>("hd64 fwd shipped", 64, seqlen, causal, bufs);
+      time_variant<FwdConfig<bf16, 64, FwdShape::kShort>>("hd64 fwd short", 64, seqlen, causal, bufs);
       time_variant<FwdConfig<bf16, 64, FwdShape::kLong>>("hd64 fwd long", 64, seqlen, causal, bufs);
-      time_variant<FwdTraits<bf16, 64, 128, 128, 4>>("hd64 fwd 128x128x4", 64, seqlen, causal, bufs);
       time_variant<Shipped<bf16, 128>>("hd128 fwd shipped", 128, seqlen, causal, bufs);
       time_variant<FwdConfig<bf16, 128, FwdShape::kShort>>("hd128 fwd short", 128, seqlen, causal, bufs);
+      time_variant<FwdConfig<bf16, 128, FwdShape::kLong>>("hd128 fwd long", 128, seqlen, causal, bufs);
       time_variant<Shipped<bf16, 256>>("hd256 fwd shipped", 256, seqlen, causal, bufs);
+      time_variant<FwdConfig<bf16, 256, FwdShape::kShort>>("hd256 fwd short", 256, seqlen, causal, bufs);
       time_variant<FwdConfig<bf16, 256, FwdShape::kLong>>("hd256 fwd long", 256, seqlen, causal, bufs);
     }
-    for (int seqlen : {1024, 8192}) {
-      // The shipped backward configurations, then the alternatives under study.
-      time_variant<Shipped<bf16, 64>, BwdConfig<bf16, 64>>("hd64 shipped", 64, seqlen, causal, bufs);
-      time_variant<Shipped<bf16, 64>, BwdTraits<bf16, 64, 64, 128, 8, 2, 4, 4>>("hd64 bwd 64x128 2-4-4", 64,
-                                                                             seqlen, causal, bufs);
-      time_variant<Shipped<bf16, 128>, BwdConfig<bf16, 128>>("hd128 shipped", 128, seqlen, causal, bufs);
-      time_variant<Shipped<bf16, 192>, BwdConfig<bf16, 192>>("hd192 shipped", 192, seqlen, causal, bufs);
-      time_variant<Shipped<bf16, 192>, BwdTraits<bf16, 192, 64, 64, 8, 4, 2, 2>>("hd192 bwd dQ whole", 192,
-                                                                             seqlen, causal, bufs);
-      time_variant<Shipped<bf16, 256>, BwdConfig<bf16, 256>>("hd256 shipped", 256, seqlen, causal, bufs);
-      time_variant<Shipped<bf16, 256>, BwdTraits<bf16, 256, 64, 64, 8, 4, 2, 2>>("hd256 bwd dQ whole", 256,
-                                                                             seqlen, causal, bufs);
-      time_variant<Shipped<bf16, 224>, BwdConfig<bf16, 224>>("hd224 shipped", 224, seqlen, causal, bufs);
-      time_variant<Shipped<bf16, 224>, BwdTraits<bf16, 224, 64, 64, 8, 4, 4, 4, true, Large::value, 32>>(
-          "hd224 bwd dQ 32-col", 224, seqlen, causal, bufs);
-#ifdef FLARE_CUDA_ALL_CONFIGS
-      // The small-shared-memory class (sm_86 / sm_89 shapes), timed on this GPU.
-      time_variant<FwdConfig<bf16, 128, FwdShape::kLong, SmemClass::kSmall>, BwdConfig<bf16, 128, SmemClass::kSmall>>(
-          "hd128 small class", 128, seqlen, causal, bufs);
-      time_variant<FwdConfig<bf16, 256, FwdShape::kLong, SmemClass::kSmall>, BwdConfig<bf16, 256, SmemClass::kSmall>>(
-          "hd256 small class", 256, seqlen, causal, bufs);
-#endif
+    for (int seqlen : {1024, 4096, 16384}) {
+      // The hd64 backward: the shipped warp layout (atoms S/dP - dK/dV - dQ) against others.
+      time_variant<Shipped<bf16, 64>, BwdConfig<bf16, 64>>("hd64 bwd shipped", 64, seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 64>, BwdTraits<bf16, 64, 128, 128, 8, 2, 4, 4>>("hd64 bwd atoms 2-4-4", 64,
+                                                                              seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 64>, BwdTraits<bf16, 64, 128, 128, 8, 2, 4, 2>>("hd64 bwd atoms 2-4-2", 64,
+                                                                              seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 64>, BwdTraits<bf16, 64, 128, 128, 8, 4, 4, 2>>("hd64 bwd atoms 4-4-2", 64,
+                                                                              seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 64>, BwdTraits<bf16, 64, 128, 128, 8, 4, 2, 4>>("hd64 bwd atoms 4-2-4", 64,
+                                                                              seqlen, causal, bufs);
     }
   }
   return 0;

@@ -32,7 +32,10 @@ struct FwdConfigOf {
   static constexpr int kBlockN = kHeadDim == 128 ? 32 : 64;
   static constexpr int kWarps = kHeadDim <= 128 ? 4 : 8;
   using Short = FwdTraits<Element, kHeadDim, 64, 64, 4>;
-  using Long = FwdTraits<Element, kHeadDim, 128, kBlockN, kWarps>;
+  // Head dim 128's long shape runs masked and whole key tiles in separate loops: 1.01-1.04x at every mask and
+  // length (gpu-tuning-2026-12-01-6.json); the other shapes were 1-17% slower so (more registers, less
+  // occupancy or spills).
+  using Long = FwdTraits<Element, kHeadDim, 128, kBlockN, kWarps, kHeadDim == 128>;
   using type = std::conditional_t<
       kShape == FwdShape::kShort, Short,
       std::conditional_t<kClass == SmemClass::kLarge || Long::kSmemBytes <= kSmallSmemBytes, Long, Short>>;
@@ -44,8 +47,9 @@ using FwdConfig = typename FwdConfigOf<Element, kHeadDim, kShape, kClass>::type;
 // tiles win where a 128-row CTA's work is short and, under a causal mask, a large part of it sits on the
 // diagonal: on the H200 (bench/results/gpu-tuning-2026-12-01-3.json, 16384 tokens, bf16) they were 1.34x
 // faster at head dim 64, causal, seqlen 512, 1.11x at 1024 and even at 2048; 1.04x at head dim 128, causal,
-// 512 and no faster from 1024; at head dim 256, 1.04-1.15x causal up to 4096 and 1.01-1.03x without a mask up
-// to 2048. Elsewhere the 128-row tiles are faster (up to 1.18x at head dim 128), so they stay the default.
+// 512 and no faster from 1024; at head dim 256, 1.02-1.17x causal at every length and 1.01-1.05x without a
+// mask up to 8192 (gpu-tuning-2026-12-01-3.json to -5). Elsewhere the 128-row tiles are faster (up to 1.18x at
+// head dim 128), so they stay the default.
 // Head dims 32 and 96 follow their neighbours 64 and 128, and 160-224 follow 256 (not timed separately).
 // seqlen_q is the longest sequence (varlen: an upper bound).
 inline FwdShape forward_shape(int head_dim_tile, AttnParams const& p) {
@@ -53,7 +57,7 @@ inline FwdShape forward_shape(int head_dim_tile, AttnParams const& p) {
   if (p.forward_rows == 64) return FwdShape::kShort;
   const int short_up_to = head_dim_tile <= 64 ? (windowed ? 1024 : 0)
                           : head_dim_tile <= 128 ? (windowed ? 512 : 0)
-                                                 : (windowed ? 4096 : 2048);
+                                                 : (windowed ? INT_MAX : 8192);
   return p.forward_rows != 128 && p.seqlen_q <= short_up_to ? FwdShape::kShort : FwdShape::kLong;
 }
 

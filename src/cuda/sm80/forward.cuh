@@ -113,7 +113,12 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
   }
   cp_async_fence();
 
-  for (int n = n_last - 1; n >= n_first; --n) {
+  // One key tile; `masked`: whether it takes the mask, a bool or (T::kMaskLoopApart) a compile-time constant.
+  // Always inlined: called from up to three loops, a call would take the accumulators it captures by reference
+  // out of registers into local memory. (ptxas schedules this form 4-8% faster than the same body written in
+  // the loop at head dim 64's short shape, and the same elsewhere: gpu-tuning-2026-12-01-6.json.)
+  const auto visit = [&](int n, auto masked) __attribute__((always_inline)) {
+    const bool is_masked = masked;
     const int n0 = n * kBlockN;
     Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
@@ -125,7 +130,7 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
 
     gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma, copy_q, copy_k, thr_copy_q, thr_copy_k);
     Tensor s = rowcol(acc_s);
-    shape_scores(s, coord_rc, m0 + coords.row_base, n0 + coords.col_base, shape, !seen_by_all.covers(n0, kBlockN));
+    shape_scores(s, coord_rc, m0 + coords.row_base, n0 + coords.col_base, shape, is_masked);
 
     __syncthreads();  // every warp is done reading K[n]
     if (n > n_first) {
@@ -172,6 +177,16 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
     cp_async_wait<1>();
     __syncthreads();  // V[n] has landed (K[n - 1] may still be in flight)
     gemm_rs(acc_o, p_a, tOrVt, tOsVt, mma, copy_v, thr_copy_v);
+  };
+  if constexpr (T::kMaskLoopApart) {
+    // Tiles from the last (the diagonal, under a causal mask) down to the first that every row sees whole take
+    // the mask, then the whole ones run without it, then (a window's left edge) the rest take it again.
+    int n = n_last - 1;
+    for (; n >= n_first && !seen_by_all.covers(n * kBlockN, kBlockN); --n) visit(n, std::true_type{});
+    for (; n >= n_first && seen_by_all.covers(n * kBlockN, kBlockN); --n) visit(n, std::false_type{});
+    for (; n >= n_first; --n) visit(n, std::true_type{});
+  } else {
+    for (int n = n_last - 1; n >= n_first; --n) visit(n, !seen_by_all.covers(n * kBlockN, kBlockN));
   }
 
   // ---- epilogue: normalise, write lse and out (through shared memory, 16-byte stores)
