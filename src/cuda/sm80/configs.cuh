@@ -46,17 +46,17 @@ using FwdConfig = typename FwdConfigOf<Element, kHeadDim, kShape, kClass>::type;
 // Which forward shape a call runs (a run-time choice: the shapes are compiled side by side). 64-row query
 // tiles win where a 128-row CTA's work is short and, under a causal mask, a large part of it sits on the
 // diagonal: on the H200 (bench/results/gpu-tuning-2026-12-01-3.json, 16384 tokens, bf16) they were 1.34x
-// faster at head dim 64, causal, seqlen 512, 1.11x at 1024 and even at 2048; 1.04x at head dim 128, causal,
-// 512 and no faster from 1024; at head dim 256, 1.02-1.17x causal at every length and 1.01-1.05x without a
-// mask up to 8192 (gpu-tuning-2026-12-01-3.json to -5). Elsewhere the 128-row tiles are faster (up to 1.18x at
-// head dim 128), so they stay the default.
+// faster at head dim 64, causal, seqlen 512, 1.11x at 1024 and even at 2048; at head dim 128, causal, 1.04x
+// at 512 and, against the long shape's separate mask loop, 1.04x at 1024 (-6.json); at head dim 256,
+// 1.02-1.17x causal at every length and 1.01-1.05x without a mask up to 8192 (-3.json to -6.json).
+// Elsewhere the 128-row tiles are faster (up to 1.18x at head dim 128), so they stay the default.
 // Head dims 32 and 96 follow their neighbours 64 and 128, and 160-224 follow 256 (not timed separately).
 // seqlen_q is the longest sequence (varlen: an upper bound).
 inline FwdShape forward_shape(int head_dim_tile, AttnParams const& p) {
   const bool windowed = p.window_left >= 0 || p.window_right >= 0;
   if (p.forward_rows == 64) return FwdShape::kShort;
   const int short_up_to = head_dim_tile <= 64 ? (windowed ? 1024 : 0)
-                          : head_dim_tile <= 128 ? (windowed ? 512 : 0)
+                          : head_dim_tile <= 128 ? (windowed ? 1024 : 0)
                                                  : (windowed ? INT_MAX : 8192);
   return p.forward_rows != 128 && p.seqlen_q <= short_up_to ? FwdShape::kShort : FwdShape::kLong;
 }
