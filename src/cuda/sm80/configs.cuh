@@ -48,7 +48,9 @@ using FwdConfig = typename FwdConfigOf<Element, kHeadDim, kShape, kClass>::type;
 // diagonal: on the H200 (bench/results/gpu-tuning-2026-12-01-3.json, 16384 tokens, bf16) they were 1.34x
 // faster at head dim 64, causal, seqlen 512, 1.11x at 1024 and even at 2048; at head dim 128, causal, 1.04x
 // at 512 and, against the long shape's separate mask loop, 1.04x at 1024 (-6.json); at head dim 256,
-// 1.02-1.17x causal at every length and 1.01-1.05x without a mask up to 8192 (-3.json to -6.json).
+// 1.02-1.17x causal at every length (-3.json to -6.json) and 1.01-1.05x without a mask up to 8192 there, but
+// from 4096 on the benchmark's L2-flushed timing 1-2% slower than the long shape (gpu-fwd-bwd-2026-12-01-5.json):
+// short up to 2048.
 // Elsewhere the 128-row tiles are faster (up to 1.18x at head dim 128), so they stay the default.
 // Head dims 32 and 96 follow their neighbours 64 and 128, and 160-224 follow 256 (not timed separately).
 // seqlen_q is the longest sequence (varlen: an upper bound).
@@ -57,7 +59,7 @@ inline FwdShape forward_shape(int head_dim_tile, AttnParams const& p) {
   if (p.forward_rows == 64) return FwdShape::kShort;
   const int short_up_to = head_dim_tile <= 64 ? (windowed ? 1024 : 0)
                           : head_dim_tile <= 128 ? (windowed ? 1024 : 0)
-                                                 : (windowed ? INT_MAX : 8192);
+                                                 : (windowed ? INT_MAX : 2048);
   return p.forward_rows != 128 && p.seqlen_q <= short_up_to ? FwdShape::kShort : FwdShape::kLong;
 }
 
