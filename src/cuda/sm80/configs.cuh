@@ -33,8 +33,8 @@ struct FwdConfigOf {
   static constexpr int kWarps = kHeadDim <= 128 ? 4 : 8;
   using Short = FwdTraits<Element, kHeadDim, 64, 64, 4>;
   // Head dim 128's long shape runs masked and whole key tiles in separate loops: 1.01-1.04x at every mask and
-  // length (gpu-tuning-2026-12-01-6.json); the other shapes were 1-17% slower so (more registers, less
-  // occupancy or spills).
+  // length (gpu-tuning-2026-12-01-6.json); at the other shapes the split was 1-17% slower (more registers,
+  // so less occupancy, or spills).
   using Long = FwdTraits<Element, kHeadDim, 128, kBlockN, kWarps, kHeadDim == 128>;
   using type = std::conditional_t<
       kShape == FwdShape::kShort, Short,
