@@ -236,8 +236,9 @@ FLARE_API flare_status flare_kvcache_workspace_size(const flare_kvcache_params* 
 /* ------------------------------------------------------------------------------------------------ */
 
 /* The SIMD level the CPU backend runs with on this machine, best first: "amx" (AVX-512 plus AMX-BF16 tiles,
- * used by the bf16 forward), "avx512", "avx2" or "generic" (portable code, no ISA extension assumed).
- * The environment variable FLARE_CPU_ISA (amx | avx512 | avx2 | generic), read once per process, lowers it;
+ * used by bf16), "avx512bf16" (AVX-512 plus AVX512_BF16 dot products, used by bf16), "avx512", "avx2" or
+ * "generic" (portable code, no ISA extension assumed). The environment variable FLARE_CPU_ISA
+ * (amx | avx512bf16 | avx512 | avx2 | generic), read once per process, lowers it;
  * it never raises it past what the processor (and, for AMX, the operating system) supports. */
 FLARE_API const char* flare_cpu_isa(void);
 

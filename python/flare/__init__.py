@@ -31,7 +31,7 @@ def version() -> str:
 
 
 def cpu_isa() -> str:
-    """The SIMD level the CPU backend runs with ("amx", "avx512", "avx2", "generic")."""
+    """The SIMD level the CPU backend runs with ("amx", "avx512bf16", "avx512", "avx2", "generic")."""
     return library().cpu_isa()
 
 

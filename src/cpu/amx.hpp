@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu/bf16_rows.hpp"
+
 namespace flare::cpu::FLARE_ISA {
 
 // Tile register numbers. Tile instructions encode them as immediates, so the wrappers below take them as
@@ -163,14 +165,6 @@ inline void amx_gemm(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t
       tile_store<kC10>(cblk + 16 * ldc, ldc * 4);
       tile_store<kC11>(cblk + 16 * ldc + 16, ldc * 4);
     }
-  }
-}
-
-// Rounds n floats (a multiple of 16) to bf16 (nearest even), vectorised.
-inline void round_to_bf16(const float* src, uint16_t* dst, int64_t n) {
-  for (int64_t c = 0; c < n; c += 16) {
-    const __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + c));
-    std::memcpy(dst + c, &b, sizeof(b));
   }
 }
 

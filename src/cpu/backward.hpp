@@ -154,10 +154,7 @@ inline void backward_tile(const Problem& p, const Sequence& seq, int64_t h, int6
   const T* dout = pk.dout + i0 * ldv;
 
   gemm_tile<T, false>(Bq, Bk, d, q, ld, pk.kt + kb * d * ws.ldt, ws.ldt, t.s, Bk);
-  ScoreShape shape;
-  shape.softcap = p.score.softcap;
-  shape.alibi = p.score.alibi_slopes != nullptr;
-  shape.slope = alibi_slope(p, seq, h);
+  const ScoreShape shape = score_shape(p, seq, h);
   if (shape.softcap > 0 || shape.alibi || !block_fully_visible(mask, i0, rows, j0, Bk))
     shape_scores<T>(t.s, Bk, rows, Bk, i0, j0, mask, shape, t.tanh);
   // Masked keys (including those past the sequence end) are -inf; rows past the end have lse = +inf.

@@ -141,10 +141,7 @@ struct AmxBackward {
     amx_gemm<false>(kBk, kBq, ws.dvpad, pk.v + j0 * ws.dvpad, ws.dvpad, pk.do_by_dv, ws.dvpad / 32, i0 / 16, 0,
                     t.dp, kBq);
 
-    ScoreShape shape;
-    shape.softcap = p.score.softcap;
-    shape.alibi = p.score.alibi_slopes != nullptr;
-    shape.slope = alibi_slope(p, seq, h);
+    const ScoreShape shape = score_shape(p, seq, h);
     const bool shaped = shape.softcap > 0 || shape.alibi || keys < kBk ||
                         !block_fully_visible(mask, i0, smin(kBq, seq.seqlen_q - i0), j0, kBk);
     float row_scale = scale;

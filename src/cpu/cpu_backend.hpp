@@ -24,7 +24,7 @@ detail::Problem kvcache_prepare(const detail::Problem& p, char* scratch, int nt)
 // Scratch bytes the pass allocates for this problem (what *_workspace_size reports).
 size_t workspace_size(const detail::Problem& p);
 
-// "avx512", "avx2" or "generic": the SIMD level in use (see flare_cpu_isa in flare.h).
+// "amx", "avx512bf16", "avx512", "avx2" or "generic": the SIMD level in use (see flare_cpu_isa in flare.h).
 const char* isa_name();
 
 }  // namespace flare::cpu

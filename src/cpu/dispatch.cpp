@@ -29,12 +29,17 @@ struct Kernels {
   void (*backward)(const Problem&, void*, int);
 };
 
-constexpr Kernels kAmx{"amx", amx::forward_scratch, amx::forward, amx::backward_scratch, amx::backward};
-constexpr Kernels kAvx512{"avx512", avx512::forward_scratch, avx512::forward, avx512::backward_scratch,
-                          avx512::backward};
-constexpr Kernels kAvx2{"avx2", avx2::forward_scratch, avx2::forward, avx2::backward_scratch, avx2::backward};
-constexpr Kernels kGeneric{"generic", generic::forward_scratch, generic::forward, generic::backward_scratch,
-                           generic::backward};
+// The levels, lowest first; each needs the one below it. Their names are what FLARE_CPU_ISA takes and
+// flare_cpu_isa() reports.
+constexpr Kernels kLevels[] = {
+    {"generic", generic::forward_scratch, generic::forward, generic::backward_scratch, generic::backward},
+    {"avx2", avx2::forward_scratch, avx2::forward, avx2::backward_scratch, avx2::backward},
+    {"avx512", avx512::forward_scratch, avx512::forward, avx512::backward_scratch, avx512::backward},
+    {"avx512bf16", avx512bf16::forward_scratch, avx512bf16::forward, avx512bf16::backward_scratch,
+     avx512bf16::backward},
+    {"amx", amx::forward_scratch, amx::forward, amx::backward_scratch, amx::backward},
+};
+enum Level : int { kGeneric, kAvx2, kAvx512, kAvx512Bf16, kAmx };
 
 // Linux hands out the AMX tile state only on request, once per process.
 bool request_amx_permission() {
@@ -49,30 +54,23 @@ bool request_amx_permission() {
 
 // The best level the processor supports, lowered by FLARE_CPU_ISA if set (never raised).
 const Kernels& select_kernels() {
-  int level = 0;
+  int level = kGeneric;
 #if defined(FLARE_X86)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) level = 1;
-  if (level == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("avx512bf16"))
-    level = 2;
-  if (level == 2 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16")) level = 3;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) level = kAvx2;
+  if (level == kAvx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    level = kAvx512;
+  if (level == kAvx512 && __builtin_cpu_supports("avx512bf16")) level = kAvx512Bf16;
+  if (level == kAvx512Bf16 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16"))
+    level = kAmx;
 #endif
   if (const char* forced = std::getenv("FLARE_CPU_ISA")) {
-    int wanted = level;
-    if (std::strcmp(forced, "generic") == 0) wanted = 0;
-    if (std::strcmp(forced, "avx2") == 0) wanted = 1;
-    if (std::strcmp(forced, "avx512") == 0) wanted = 2;
-    level = wanted < level ? wanted : level;
+    for (int wanted = kGeneric; wanted < level; ++wanted)
+      if (std::strcmp(forced, kLevels[wanted].name) == 0) level = wanted;
   }
-  if (level == 3 && !request_amx_permission()) level = 2;
-  switch (level) {
-    case 3: return kAmx;
-    case 2: return kAvx512;
-    case 1: return kAvx2;
-    default: return kGeneric;
-  }
+  if (level == kAmx && !request_amx_permission()) level = kAvx512Bf16;
+  return kLevels[level];
 }
 
 const Kernels& kernels() {

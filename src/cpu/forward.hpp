@@ -203,10 +203,7 @@ inline void forward_tile(const Problem& p, const Sequence& seq, int64_t h, int64
   }
   for (int64_t x = 0; x < Bq * dvp; x += W) vstore(t.o + x, V{});
 
-  ScoreShape shape;
-  shape.softcap = p.score.softcap;
-  shape.alibi = p.score.alibi_slopes != nullptr;
-  shape.slope = alibi_slope(p, seq, h);
+  const ScoreShape shape = score_shape(p, seq, h);
   const bool plain = shape.softcap == 0 && !shape.alibi;
 
   for (int64_t kb = first / Bk; first <= last && kb <= last / Bk; ++kb) {

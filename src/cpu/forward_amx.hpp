@@ -11,14 +11,6 @@
 
 namespace flare::cpu::FLARE_ISA {
 
-// The softmax's exponentials on this path: exp(scale * s - m) = 2^(s * scale log2 e - m log2 e) by
-// vexp2<5> (5e-6 relative, hundreds of times finer than the bf16 rounding of P that follows).
-struct RowExpBf16 {
-  static vec_t<float> apply(vec_t<float> x, float scale, float m) {
-    return vexp2<5>(x * (scale * kLog2e) - m * kLog2e);
-  }
-};
-
 struct AmxForward {
   static constexpr int64_t kBq = 64, kBk = 128;
 
@@ -99,10 +91,7 @@ struct AmxForward {
     }
     for (int64_t x = 0; x < row_blocks * 32 * dvpad; x += W) vstore(t.o + x, V{});
 
-    ScoreShape shape;
-    shape.softcap = p.score.softcap;
-    shape.alibi = p.score.alibi_slopes != nullptr;
-    shape.slope = alibi_slope(p, seq, h);
+    const ScoreShape shape = score_shape(p, seq, h);
     const bool plain = shape.softcap == 0 && !shape.alibi;
     const policy::KeyRange keys = mask.keys_of_rows(i0, i0 + rows);
     const int64_t first = smax<int64_t>(keys.first, 0), last = smin<int64_t>(keys.last, seq.seqlen_k - 1);
@@ -127,18 +116,9 @@ struct AmxForward {
           std::memset(prow, 0, cols * sizeof(uint16_t));
           continue;
         }
-        // P is written 32 columns (two vectors, one vcvtne2ps2bf16) at a time: cols is a multiple of 32.
-        __m512 even = _mm512_setzero_ps();
-        const auto emit = [prow, &even](int64_t c, V e) {
-          if (c % 32 == 0) {
-            even = static_cast<__m512>(e);
-          } else {
-            const __m512bh pair = _mm512_cvtne2ps_pbh(static_cast<__m512>(e), even);
-            std::memcpy(prow + c - 16, &pair, sizeof(pair));
-          }
-        };
-        const float alpha = online_softmax_row<float>(t.s + r * kBk, cols, row_scale, t.m[r], t.l[r], emit,
-                                                      RowExpBf16{});
+        // P is written 32 columns at a time (Bf16PairWriter): cols is a multiple of 32.
+        const float alpha = online_softmax_row<float>(t.s + r * kBk, cols, row_scale, t.m[r], t.l[r],
+                                                      Bf16PairWriter(prow), RowExpBf16{});
         if (alpha != 1.0f) scale_row<float>(t.o + r * dvpad, dvpad, alpha);
       }
       amx_gemm<true>(row_blocks * 32, dvpad, cols, t.p, kBk, vblock, kBk / 32, 0, 0, t.o, dvpad);  // O += P V

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "common/attention_policy.hpp"
+#include "cpu/sequences.hpp"
 #include "cpu/simd.hpp"
 
 namespace flare::cpu::FLARE_ISA {
@@ -12,6 +13,15 @@ struct ScoreShape {
   float slope = 0.0f;    // ALiBi slope of this head
   bool alibi = false;
 };
+
+// The shaping of head h's scores in sequence seq: the problem's softcap, and ALiBi with this head's slope.
+inline ScoreShape score_shape(const Problem& p, const Sequence& seq, int64_t h) {
+  ScoreShape shape;
+  shape.softcap = p.score.softcap;
+  shape.alibi = p.score.alibi_slopes != nullptr;
+  shape.slope = alibi_slope(p, seq, h);
+  return shape;
+}
 
 // Whether every query in [i0, i0 + rows) sees every key in [j0, j0 + n): then only the softmax is needed.
 inline bool block_fully_visible(const policy::WindowMask& mask, int64_t i0, int64_t rows, int64_t j0, int64_t n) {

@@ -1,10 +1,10 @@
 // simd.hpp — the vector type of one instruction set and the math the kernels need on it.
 //
-// Included only by the per-ISA kernel translation units (isa_avx512.cpp, isa_avx2.cpp, isa_generic.cpp),
-// each of which defines FLARE_ISA (its namespace) and FLARE_VEC_BYTES (its register width) first. Everything
-// lives in flare::cpu::FLARE_ISA so that no inline function compiled with one ISA's flags can be picked by the
-// linker for another. GCC vector extensions keep one source for every width; with the wider ISAs enabled the
-// compiler emits zmm/ymm instructions, and a*b+c contracts to FMA.
+// Included only by the per-ISA kernel translation units (isa_amx.cpp, isa_avx512bf16.cpp, isa_avx512.cpp,
+// isa_avx2.cpp, isa_generic.cpp), each of which defines FLARE_ISA (its namespace) and FLARE_VEC_BYTES (its
+// register width) first. Everything lives in flare::cpu::FLARE_ISA so that no inline function compiled with
+// one ISA's flags can be picked by the linker for another. GCC vector extensions keep one source for every
+// width; with the wider ISAs enabled the compiler emits zmm/ymm instructions, and a*b+c contracts to FMA.
 #pragma once
 
 #include <cstdint>

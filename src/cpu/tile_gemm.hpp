@@ -5,7 +5,9 @@
 // transposed copy); B is row-major (K rows of N) with leading dimension ldb; C likewise with ldc.
 // Callers pad: M is a multiple of kRows and N a multiple of the vector width W (padding holds zeros or is
 // ignored), so the inner loop never branches. The micro-kernel keeps a kRows x (kCols * W) block of C in
-// registers, broadcasting one A element per row and loading kCols vectors of B per step of K.
+// registers, broadcasting one A element per row and loading kCols vectors of B per step of K. The
+// arithmetic of a step is a policy: FmaOps (fp32/fp64 FMA) here, Bf16PairOps in dot_bf16.hpp (one step is a
+// pair of bf16 along K in each 32-bit lane, vdpbf16ps), on the same blocking.
 #pragma once
 
 #include "cpu/simd.hpp"
@@ -38,74 +40,99 @@ inline int64_t padded_ld(int64_t n) {
   return (ld * static_cast<int64_t>(sizeof(T))) % 128 == 0 ? ld + kLine : ld;
 }
 
-template <class T, int R, int NV, bool Accumulate, bool TransA = false>
-inline void gemm_micro(const T* __restrict a, int64_t lda, const T* __restrict b, int64_t ldb,
-                       T* __restrict c, int64_t ldc, int64_t k_len) {
-  using V = vec_t<T>;
-  constexpr int W = Simd<T>::W;
-  V acc[R][NV];
+// The arithmetic of one product, as the micro-kernel sees it: In is one element of A and B along k (fp32 /
+// fp64 here; a pair of bf16 in dot_bf16.hpp), Acc an element of C; VA, VB and VC the vectors of a
+// broadcast A element, of W columns of B and of W columns of C; madd(c, a, b) accumulates one step of k.
+template <class T>
+struct FmaOps {
+  using In = T;
+  using Acc = T;
+  using VA = vec_t<T>;
+  using VB = vec_t<T>;
+  using VC = vec_t<T>;
+  static constexpr int W = Simd<T>::W;
+  static VA broadcast(In a) { return vset(a); }
+  static VB load_b(const In* p) { return vload(p); }
+  static VC load_c(const Acc* p) { return vload(p); }
+  static void store_c(Acc* p, VC v) { vstore(p, v); }
+  static VC madd(VC c, VA a, VB b) { return c + a * b; }
+};
+
+template <class Ops, int R, int NV, bool Accumulate, bool TransA = false>
+inline void gemm_micro(const typename Ops::In* __restrict a, int64_t lda, const typename Ops::In* __restrict b,
+                       int64_t ldb, typename Ops::Acc* __restrict c, int64_t ldc, int64_t k_len) {
+  constexpr int W = Ops::W;
+  typename Ops::VC acc[R][NV];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) acc[r][v] = Accumulate ? vload(c + r * ldc + v * W) : V{};
+    for (int v = 0; v < NV; ++v) acc[r][v] = Accumulate ? Ops::load_c(c + r * ldc + v * W) : typename Ops::VC{};
   for (int64_t k = 0; k < k_len; ++k) {
-    V bv[NV];
+    typename Ops::VB bv[NV];
 #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) bv[v] = vload(b + k * ldb + v * W);
+    for (int v = 0; v < NV; ++v) bv[v] = Ops::load_b(b + k * ldb + v * W);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const V av = vset(TransA ? a[k * lda + r] : a[r * lda + k]);
+      const typename Ops::VA av = Ops::broadcast(TransA ? a[k * lda + r] : a[r * lda + k]);
 #pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) acc[r][v] += av * bv[v];
+      for (int v = 0; v < NV; ++v) acc[r][v] = Ops::madd(acc[r][v], av, bv[v]);
     }
   }
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) vstore(c + r * ldc + v * W, acc[r][v]);
+    for (int v = 0; v < NV; ++v) Ops::store_c(c + r * ldc + v * W, acc[r][v]);
 }
 
 // Rows [row, row + rows) of C against one column panel of NV vectors; rows <= kRows picks the micro-kernel.
-template <class T, int NV, bool Accumulate, bool TransA>
-inline void gemm_rows(int64_t rows, const T* a, int64_t lda, const T* b, int64_t ldb, T* c, int64_t ldc,
-                      int64_t k_len) {
+template <class Ops, int NV, bool Accumulate, bool TransA>
+inline void gemm_rows(int64_t rows, const typename Ops::In* a, int64_t lda, const typename Ops::In* b, int64_t ldb,
+                      typename Ops::Acc* c, int64_t ldc, int64_t k_len) {
+  constexpr int R = GemmShape<typename Ops::Acc>::kRows;
   switch (rows) {
-    case 1: gemm_micro<T, 1, NV, Accumulate, TransA>(a, lda, b, ldb, c, ldc, k_len); break;
-    case 2: gemm_micro<T, 2, NV, Accumulate, TransA>(a, lda, b, ldb, c, ldc, k_len); break;
-    case 3: gemm_micro<T, 3, NV, Accumulate, TransA>(a, lda, b, ldb, c, ldc, k_len); break;
-    case 4: gemm_micro<T, 4, NV, Accumulate, TransA>(a, lda, b, ldb, c, ldc, k_len); break;
-    case 5: gemm_micro<T, 5, NV, Accumulate, TransA>(a, lda, b, ldb, c, ldc, k_len); break;
-    default: gemm_micro<T, GemmShape<T>::kRows, NV, Accumulate, TransA>(a, lda, b, ldb, c, ldc, k_len); break;
+    case 1: gemm_micro<Ops, 1, NV, Accumulate, TransA>(a, lda, b, ldb, c, ldc, k_len); break;
+    case 2: gemm_micro<Ops, 2, NV, Accumulate, TransA>(a, lda, b, ldb, c, ldc, k_len); break;
+    case 3: gemm_micro<Ops, 3, NV, Accumulate, TransA>(a, lda, b, ldb, c, ldc, k_len); break;
+    case 4: gemm_micro<Ops, 4, NV, Accumulate, TransA>(a, lda, b, ldb, c, ldc, k_len); break;
+    case 5: gemm_micro<Ops, 5, NV, Accumulate, TransA>(a, lda, b, ldb, c, ldc, k_len); break;
+    default: gemm_micro<Ops, R, NV, Accumulate, TransA>(a, lda, b, ldb, c, ldc, k_len); break;
   }
 }
 
-// Runs the micro-kernels over an M x N tile: full kRows x kCols blocks, then the last rows and the last,
-// narrower column panel.
-template <class T, bool Accumulate, bool TransA = false>
-inline void gemm_tile(int64_t m, int64_t n, int64_t k_len, const T* a, int64_t lda, const T* b, int64_t ldb,
-                      T* c, int64_t ldc) {
+// Runs the micro-kernels over an M x N tile with the arithmetic of Ops: full kRows x kCols blocks, then the
+// last rows and the last, narrower column panel. k_len counts Ops::In elements (steps of k).
+template <class Ops, bool Accumulate, bool TransA = false>
+inline void gemm_tile_of(int64_t m, int64_t n, int64_t k_len, const typename Ops::In* a, int64_t lda,
+                         const typename Ops::In* b, int64_t ldb, typename Ops::Acc* c, int64_t ldc) {
   // Row `row` of A starts at a + row * lda, or at column `row` of the stored transpose.
   const auto a_rows = [&](int64_t row) { return TransA ? a + row : a + row * lda; };
-  constexpr int R = GemmShape<T>::kRows;
-  constexpr int NV = GemmShape<T>::kCols;
-  constexpr int W = Simd<T>::W;
+  constexpr int R = GemmShape<typename Ops::Acc>::kRows;
+  constexpr int NV = GemmShape<typename Ops::Acc>::kCols;
+  constexpr int W = Ops::W;
   static_assert(R <= 6, "gemm_rows handles up to 6 rows");
   int64_t col = 0;
   for (; col + NV * W <= n; col += NV * W)
     for (int64_t row = 0; row < m; row += R)
-      gemm_rows<T, NV, Accumulate, TransA>(smin<int64_t>(R, m - row), a_rows(row), lda, b + col, ldb,
-                                          c + row * ldc + col, ldc, k_len);
+      gemm_rows<Ops, NV, Accumulate, TransA>(smin<int64_t>(R, m - row), a_rows(row), lda, b + col, ldb,
+                                            c + row * ldc + col, ldc, k_len);
   const int64_t rest = (n - col) / W;
   for (int64_t row = 0; row < m && rest > 0; row += R) {
     const int64_t rows = smin<int64_t>(R, m - row);
-    const T* ar = a_rows(row);
-    T* cr = c + row * ldc + col;
+    const auto* ar = a_rows(row);
+    auto* cr = c + row * ldc + col;
     switch (rest) {
-      case 1: gemm_rows<T, 1, Accumulate, TransA>(rows, ar, lda, b + col, ldb, cr, ldc, k_len); break;
-      case 2: gemm_rows<T, 2, Accumulate, TransA>(rows, ar, lda, b + col, ldb, cr, ldc, k_len); break;
-      default: gemm_rows<T, 3, Accumulate, TransA>(rows, ar, lda, b + col, ldb, cr, ldc, k_len); break;
+      case 1: gemm_rows<Ops, 1, Accumulate, TransA>(rows, ar, lda, b + col, ldb, cr, ldc, k_len); break;
+      case 2: gemm_rows<Ops, 2, Accumulate, TransA>(rows, ar, lda, b + col, ldb, cr, ldc, k_len); break;
+      default: gemm_rows<Ops, 3, Accumulate, TransA>(rows, ar, lda, b + col, ldb, cr, ldc, k_len); break;
     }
   }
+}
+
+// The fp32/fp64 FMA product: C (+)= A * B in the compute type T.
+template <class T, bool Accumulate, bool TransA = false>
+inline void gemm_tile(int64_t m, int64_t n, int64_t k_len, const T* a, int64_t lda, const T* b, int64_t ldb,
+                      T* c, int64_t ldc) {
+  gemm_tile_of<FmaOps<T>, Accumulate, TransA>(m, n, k_len, a, lda, b, ldb, c, ldc);
 }
 
 }  // namespace flare::cpu::FLARE_ISA

@@ -87,7 +87,7 @@ TEST(ForwardShapes, HeaddimVDiffersFromHeaddim) {
   const std::vector<std::pair<int64_t, int64_t>> dims = {{64, 128}, {128, 64}, {40, 8}, {8, 40}, {256, 1},
                                                          {1, 256}, {96, 80}, {192, 128}};
   for (auto [d, dv] : dims) {
-    for (flare_dtype dtype : {FLARE_DTYPE_F32, FLARE_DTYPE_F16}) {
+    for (flare_dtype dtype : {FLARE_DTYPE_F32, FLARE_DTYPE_F16, FLARE_DTYPE_BF16}) {
       AttnCase c = dense_case(dtype, 2, 29, 45, 2, 2, d, dv);
       c.causal = rng.coin();
       check_forward(c, rng);

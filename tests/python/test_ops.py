@@ -145,5 +145,5 @@ def test_errors_carry_the_library_message():
 
 def test_introspection():
     assert flare.version() == "0.1.0"
-    assert flare.cpu_isa() in ("amx", "avx512", "avx2", "generic")
+    assert flare.cpu_isa() in ("amx", "avx512bf16", "avx512", "avx2", "generic")
     assert flare.has_cuda() in (True, False)

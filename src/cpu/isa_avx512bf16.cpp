@@ -1,0 +1,38 @@
+// isa_avx512bf16.cpp — the CPU kernels for processors with AVX-512 and AVX512_BF16 but no AMX (AMD Zen 4/5,
+// Intel Cooper Lake); flags per file in src/CMakeLists.txt. The bf16 forward runs on bf16 dot products
+// (vdpbf16ps: forward_dot.hpp); the backward and other dtypes use the AVX-512 FMA engines.
+#define FLARE_ISA avx512bf16
+#define FLARE_VEC_BYTES 64
+#include "cpu/backward.hpp"
+#include "cpu/forward_dot.hpp"
+#include "cpu/isa_kernels.hpp"
+
+namespace flare::cpu::avx512bf16 {
+
+size_t forward_scratch(const detail::Problem& p, int threads) {
+  switch (p.dtype) {
+    case FLARE_DTYPE_BF16: return scratch_bytes<DotForward>(p, threads);
+    case FLARE_DTYPE_F64: return scratch_bytes<FmaForward<double>>(p, threads);
+    default: return scratch_bytes<FmaForward<float>>(p, threads);
+  }
+}
+void forward(const detail::Problem& p, void* scratch, int threads) {
+  switch (p.dtype) {
+    case FLARE_DTYPE_BF16: run_forward<DotForward>(p, scratch, threads); break;
+    case FLARE_DTYPE_F64: run_forward<FmaForward<double>>(p, scratch, threads); break;
+    default: run_forward<FmaForward<float>>(p, scratch, threads); break;
+  }
+}
+size_t backward_scratch(const detail::Problem& p, int threads) {
+  return p.dtype == FLARE_DTYPE_F64 ? scratch_bytes<FmaBackward<double>>(p, threads)
+                                    : scratch_bytes<FmaBackward<float>>(p, threads);
+}
+void backward(const detail::Problem& p, void* scratch, int threads) {
+  if (p.dtype == FLARE_DTYPE_F64) {
+    run_backward<FmaBackward<double>>(p, scratch, threads);
+  } else {
+    run_backward<FmaBackward<float>>(p, scratch, threads);
+  }
+}
+
+}  // namespace flare::cpu::avx512bf16
