@@ -7,7 +7,8 @@
 //   dV += Pᵀ · dO     A = Pᵀ (bf16)         B = dO as VNNI pairs along queries
 //   dK += dSᵀ · Q     A = dSᵀ (bf16)        B = Q as VNNI pairs along queries
 //   dQᵀ += Kᵀ · dSᵀ   A = Kᵀ rows           B = dSᵀ as VNNI pairs along keys
-// with Pᵀ = exp(scale·Sᵀ - lse) and dSᵀ = Pᵀ ∘ (dPᵀ - D) (∘ (1 - tanh²) under softcap), fp32 on AVX-512.
+// with Pᵀ = exp(scale·Sᵀ - lse) and dSᵀ = Pᵀ ∘ (dPᵀ - D) (∘ (1 - tanh²) under softcap), fp32 on AVX-512
+// (bf16_backward_elementwise in bf16_rows.hpp, shared with the dot-product engine).
 // dK and dQ carry the softmax scale once, when written. P and dS are rounded to bf16 for the products, as
 // GPU FlashAttention does; every accumulator is fp32.
 #pragma once
@@ -97,7 +98,6 @@ struct AmxBackward {
     const auto& pk = *ws.threads[tid].pack;
     const RowPtr qrows = query_rows(p, p.q, seq, h), dorows = query_rows(p, p.dout, seq, h),
                  orows = query_rows(p, p.out, seq, h);
-    const float* lse = lse_row(p, seq, h);
     const auto rows_of = [&](const RowPtr& rows) {
       return [&, rows](int64_t i) {
         return i < seq.seqlen_q ? reinterpret_cast<const uint16_t*>(rows.row(i)) : nullptr;
@@ -108,17 +108,7 @@ struct AmxBackward {
     pack_b_k_along_rows(pk.do_by_dv, ws.dvpad / 32, i0, kBq, p.headdim_v, rows_of(dorows));
     pack_b_n_along_rows(pk.q_by_i, ws.nq / 32, i0, kBq, p.headdim, ws.dpad, rows_of(qrows));
     pack_b_n_along_rows(pk.do_by_i, ws.nq / 32, i0, kBq, p.headdim_v, ws.dvpad, rows_of(dorows));
-    for (int64_t i = i0; i < i0 + kBq; ++i) {
-      const bool in = i < seq.seqlen_q;
-      float delta = 0.0f;
-      if (in) {
-        const uint16_t* dout = reinterpret_cast<const uint16_t*>(dorows.row(i));
-        const uint16_t* out = reinterpret_cast<const uint16_t*>(orows.row(i));
-        for (int64_t c = 0; c < p.headdim_v; ++c) delta += bf16_to_float(dout[c]) * bf16_to_float(out[c]);
-      }
-      pk.delta[i] = delta;
-      pk.lse[i] = (in && lse[i] != kNegInf) ? lse[i] : __builtin_inff();
-    }
+    bf16_delta_and_lse(p, seq, dorows, orows, lse_row(p, seq, h), i0, kBq, pk.delta, pk.lse);
   }
 
   static void clear_dq(const Sequence&, const Scratch& ws, int tid) {
@@ -127,48 +117,17 @@ struct AmxBackward {
 
   static void tile(const Problem& p, const Sequence& seq, int64_t h, int64_t kb, int64_t qt, const Scratch& ws,
                    int tid) {
-    using V = vec_t<float>;
-    constexpr int W = Simd<float>::W;
     const auto& t = ws.threads[tid];
     const auto& pk = *t.pack;
     const int64_t i0 = qt * kBq, j0 = kb * kBk;
-    const int64_t keys = smin(kBk, seq.seqlen_k - j0);
-    const policy::WindowMask mask = seq.mask(p);
-    const float scale = static_cast<float>(p.score.scale);
 
     // Sᵀ (keys x queries) and dPᵀ.
     amx_gemm<false>(kBk, kBq, ws.dpad, pk.k + j0 * ws.dpad, ws.dpad, pk.q_by_d, ws.dpad / 32, i0 / 16, 0, t.s, kBq);
     amx_gemm<false>(kBk, kBq, ws.dvpad, pk.v + j0 * ws.dvpad, ws.dvpad, pk.do_by_dv, ws.dvpad / 32, i0 / 16, 0,
                     t.dp, kBq);
 
-    const ScoreShape shape = score_shape(p, seq, h);
-    const bool shaped = shape.softcap > 0 || shape.alibi || keys < kBk ||
-                        !block_fully_visible(mask, i0, smin(kBq, seq.seqlen_q - i0), j0, kBk);
-    float row_scale = scale;
-    if (shaped) {
-      for (int64_t r = 0; r < kBk; ++r) scale_row<float>(t.s + r * kBq, kBq, scale);
-      shape_scores_keys_major<float>(t.s, kBq, kBk, kBq, i0, j0, mask, shape, t.tanh);
-      row_scale = 1.0f;
-    }
-    const float* lse = pk.lse + i0;
-    const float* delta = pk.delta + i0;
-    for (int64_t r = 0; r < kBk; ++r) {
-      float* srow = t.s + r * kBq;
-      float* dsrow = t.dp + r * kBq;
-      const float* th = t.tanh + r * kBq;
-      for (int64_t c = 0; c < kBq; c += W) {
-        const V pv = vexp(vload(srow + c) * row_scale - vload(lse + c));
-        V ds = pv * (vload(dsrow + c) - vload(delta + c));
-        if (shape.softcap > 0) {
-          const V tv = vload(th + c);
-          ds = ds * (1.0f - tv * tv);
-        }
-        vstore(srow + c, pv);
-        vstore(dsrow + c, ds);
-      }
-      round_to_bf16(srow, t.p + r * kBq, kBq);
-      round_to_bf16(dsrow, t.ds + r * kBq, kBq);
-    }
+    bf16_backward_elementwise(p, seq, h, i0, j0, kBk, kBq, pk.lse + i0, pk.delta + i0, t.s, t.dp, t.tanh, t.p,
+                              t.ds);  // Pᵀ, dSᵀ
     // dSᵀ as VNNI pairs along keys (the B operand of dQᵀ): interleave rows 2r and 2r + 1.
     pack_b_n_along_rows(t.ds_vnni, kBk / 32, 0, kBk, kBq, kBq, [&](int64_t r) { return t.ds + r * kBq; });
 

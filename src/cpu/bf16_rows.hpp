@@ -1,7 +1,8 @@
 // bf16_rows.hpp — what the bf16 engines (AMX tiles, forward_amx.hpp / backward_amx.hpp, and AVX512_BF16 dot
-// products, forward_dot.hpp) share around their products: the softmax's exponentials at the precision a bf16
-// P keeps, and rounding fp32 rows to bf16. Included only by translation units compiled with AVX512_BF16
-// (isa_amx.cpp, isa_avx512bf16.cpp).
+// products, forward_dot.hpp / backward_dot.hpp) share around their products: the softmax's exponentials at
+// the precision a bf16 P keeps, rounding fp32 rows to bf16, and the backward's per-query values and
+// elementwise step. Included only by translation units compiled with AVX512_BF16 (isa_amx.cpp,
+// isa_avx512bf16.cpp).
 #pragma once
 
 #include <immintrin.h>
@@ -9,7 +10,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include "cpu/simd.hpp"
+#include "cpu/score_tile.hpp"
+#include "cpu/sequences.hpp"
 
 namespace flare::cpu::FLARE_ISA {
 
@@ -47,5 +49,63 @@ class Bf16PairWriter {
   uint16_t* row_;
   __m512 even_ = _mm512_setzero_ps();
 };
+
+// The backward's per-query values for queries [i0, i0 + n) of one head (written at delta[i], lse_out[i]):
+// D = rowsum(dO * O) from the bf16 rows, and the forward's lse, or +inf where a query sees no key or lies
+// past the sequence (its P is then 0).
+inline void bf16_delta_and_lse(const Problem& p, const Sequence& seq, const RowPtr& dorows, const RowPtr& orows,
+                               const float* lse, int64_t i0, int64_t n, float* delta, float* lse_out) {
+  for (int64_t i = i0; i < i0 + n; ++i) {
+    const bool in = i < seq.seqlen_q;
+    float sum = 0.0f;
+    if (in) {
+      const uint16_t* dout = reinterpret_cast<const uint16_t*>(dorows.row(i));
+      const uint16_t* out = reinterpret_cast<const uint16_t*>(orows.row(i));
+      for (int64_t c = 0; c < p.headdim_v; ++c) sum += bf16_to_float(dout[c]) * bf16_to_float(out[c]);
+    }
+    delta[i] = sum;
+    lse_out[i] = (in && lse[i] != kNegInf) ? lse[i] : __builtin_inff();
+  }
+}
+
+// The backward's elementwise step on one keys-major tile (row r is key j0 + r, column c query i0 + c; keys
+// x queries fp32 with leading dimension queries): Pᵀ = exp(scale · Sᵀ - lse) and dSᵀ = Pᵀ ∘ (dPᵀ - D)
+// (∘ (1 - tanh²) under softcap), written back to s and dp and rounded to bf16 into p and ds. Softcap, ALiBi
+// and masks are applied first where the block needs them (tanh receives the softcap's tanh); lse and delta
+// are the tile's queries' (lse = +inf where a query sees no key or is padding, so that its P is 0).
+inline void bf16_backward_elementwise(const Problem& p, const Sequence& seq, int64_t h, int64_t i0, int64_t j0,
+                                      int64_t keys, int64_t queries, const float* lse, const float* delta, float* s,
+                                      float* dp, float* tanh, uint16_t* pb, uint16_t* ds) {
+  using V = vec_t<float>;
+  constexpr int W = Simd<float>::W;
+  const policy::WindowMask mask = seq.mask(p);
+  const float scale = static_cast<float>(p.score.scale);
+  const ScoreShape shape = score_shape(p, seq, h);
+  const bool shaped = shape.softcap > 0 || shape.alibi || seq.seqlen_k - j0 < keys ||
+                      !block_fully_visible(mask, i0, smin(queries, seq.seqlen_q - i0), j0, keys);
+  float row_scale = scale;
+  if (shaped) {
+    for (int64_t r = 0; r < keys * queries; r += W) vstore(s + r, vload(s + r) * scale);
+    shape_scores_keys_major<float>(s, queries, keys, queries, i0, j0, mask, shape, tanh);
+    row_scale = 1.0f;
+  }
+  for (int64_t r = 0; r < keys; ++r) {
+    float* srow = s + r * queries;
+    float* dsrow = dp + r * queries;
+    const float* th = tanh + r * queries;
+    for (int64_t c = 0; c < queries; c += W) {
+      const V pv = vexp(vload(srow + c) * row_scale - vload(lse + c));
+      V d = pv * (vload(dsrow + c) - vload(delta + c));
+      if (shape.softcap > 0) {
+        const V tv = vload(th + c);
+        d = d * (1.0f - tv * tv);
+      }
+      vstore(srow + c, pv);
+      vstore(dsrow + c, d);
+    }
+    round_to_bf16(srow, pb + r * queries, queries);
+    round_to_bf16(dsrow, ds + r * queries, queries);
+  }
+}
 
 }  // namespace flare::cpu::FLARE_ISA

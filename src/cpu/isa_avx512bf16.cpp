@@ -1,9 +1,9 @@
 // isa_avx512bf16.cpp — the CPU kernels for processors with AVX-512 and AVX512_BF16 but no AMX (AMD Zen 4/5,
-// Intel Cooper Lake); flags per file in src/CMakeLists.txt. The bf16 forward runs on bf16 dot products
-// (vdpbf16ps: forward_dot.hpp); the backward and other dtypes use the AVX-512 FMA engines.
+// Intel Cooper Lake); flags per file in src/CMakeLists.txt. bf16 forward and backward run on bf16 dot
+// products (vdpbf16ps: forward_dot.hpp, backward_dot.hpp); other dtypes use the AVX-512 FMA engines.
 #define FLARE_ISA avx512bf16
 #define FLARE_VEC_BYTES 64
-#include "cpu/backward.hpp"
+#include "cpu/backward_dot.hpp"
 #include "cpu/forward_dot.hpp"
 #include "cpu/isa_kernels.hpp"
 
@@ -24,14 +24,17 @@ void forward(const detail::Problem& p, void* scratch, int threads) {
   }
 }
 size_t backward_scratch(const detail::Problem& p, int threads) {
-  return p.dtype == FLARE_DTYPE_F64 ? scratch_bytes<FmaBackward<double>>(p, threads)
-                                    : scratch_bytes<FmaBackward<float>>(p, threads);
+  switch (p.dtype) {
+    case FLARE_DTYPE_BF16: return scratch_bytes<DotBackward>(p, threads);
+    case FLARE_DTYPE_F64: return scratch_bytes<FmaBackward<double>>(p, threads);
+    default: return scratch_bytes<FmaBackward<float>>(p, threads);
+  }
 }
 void backward(const detail::Problem& p, void* scratch, int threads) {
-  if (p.dtype == FLARE_DTYPE_F64) {
-    run_backward<FmaBackward<double>>(p, scratch, threads);
-  } else {
-    run_backward<FmaBackward<float>>(p, scratch, threads);
+  switch (p.dtype) {
+    case FLARE_DTYPE_BF16: run_backward<DotBackward>(p, scratch, threads); break;
+    case FLARE_DTYPE_F64: run_backward<FmaBackward<double>>(p, scratch, threads); break;
+    default: run_backward<FmaBackward<float>>(p, scratch, threads); break;
   }
 }
 

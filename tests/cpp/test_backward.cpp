@@ -51,6 +51,19 @@ TEST(BackwardShapes, Fp64) {
   run_shapes(FLARE_DTYPE_F64, rng);
 }
 
+TEST(BackwardShapes, Bf16OddAndUnequalHeadDims) {
+  // The bf16 engines reduce over pairs of elements (AMX tiles, AVX512_BF16 dot products): an odd head dim is
+  // padded with a zero, on each side of headdim != headdim_v.
+  Rng rng;
+  const std::vector<std::pair<int64_t, int64_t>> dims = {{1, 1},   {3, 5},   {7, 7},    {59, 64}, {64, 59},
+                                                         {127, 129}, {255, 1}, {1, 255}, {200, 96}};
+  for (auto [d, dv] : dims) {
+    AttnCase c = dense_case(FLARE_DTYPE_BF16, 1, 37, 70, 2, 1, d, dv);
+    c.causal = rng.coin();
+    check_backward(c, rng, kFp32Tol);
+  }
+}
+
 TEST(BackwardShapes, Long) {
   Rng rng;
   AttnCase c = dense_case(FLARE_DTYPE_F32, 1, 1023, 1023, 1, 1, 64, 64);
