@@ -236,11 +236,21 @@ struct FmaBackward {
   }
 };
 
+// Key blocks a thread takes together against each query tile: Engine::kKeyBlocksPerStep, else 1.
+template <class Engine>
+constexpr int64_t key_blocks_per_step() {
+  if constexpr (requires { Engine::kKeyBlocksPerStep; }) {
+    return Engine::kKeyBlocksPerStep;
+  } else {
+    return 1;
+  }
+}
+
 // The whole backward of one (sequence, kv head) group, by the team (Shared) or by one thread.
 template <class Engine, bool Shared>
 inline void backward_group(const Problem& p, const Sequence& seq, int64_t hk, const typename Engine::Scratch& ws,
                            int tid, int nt) {
-  constexpr int64_t Bq = Engine::kBq, Bk = Engine::kBk;
+  constexpr int64_t Bq = Engine::kBq, Bk = Engine::kBk, G = key_blocks_per_step<Engine>();
   const int64_t group = p.nheads / p.nheads_k;
   const policy::WindowMask mask = seq.mask(p);
   const int64_t nkb = (seq.seqlen_k + Bk - 1) / Bk, nqb = (seq.seqlen_q + Bq - 1) / Bq;
@@ -249,12 +259,26 @@ inline void backward_group(const Problem& p, const Sequence& seq, int64_t hk, co
     const int64_t h = hk * group + g;
     team_loop<Shared>(nqb, [&](int64_t qt) { Engine::pack_queries(p, seq, h, qt, ws, tid); });
     Engine::clear_dq(seq, ws, tid);
-    // Round-robin blocks: under a causal mask late key blocks have fewer queries.
-    team_loop<Shared, Schedule::kRoundRobin>(nkb, [&](int64_t kb) {
-      const policy::KeyRange queries = mask.queries_of_keys(kb * Bk, smin((kb + 1) * Bk, seq.seqlen_k));
-      const int64_t first = smax<int64_t>(queries.first, 0);
-      const int64_t last = smin<int64_t>(queries.last, seq.seqlen_q - 1);
-      for (int64_t qt = first / Bq; first <= last && qt <= last / Bq; ++qt) Engine::tile(p, seq, h, kb, qt, ws, tid);
+    // Round-robin steps of G key blocks: under a causal mask late key blocks have fewer queries. A step walks
+    // the union of its blocks' query tiles, each tile against each of its blocks that it sees, so that a
+    // query tile's packs and dQ rows are read once per step rather than once per block.
+    const int64_t nsteps = (nkb + G - 1) / G;
+    team_loop<Shared, Schedule::kRoundRobin>(nsteps, [&](int64_t step) {
+      const int64_t kb0 = step * G, kb1 = smin(kb0 + G, nkb);
+      int64_t tiles_first[G] = {}, tiles_last[G] = {};  // each block's query tiles (first > last: none)
+      int64_t lo = nqb, hi = -1;
+      for (int64_t kb = kb0; kb < kb1; ++kb) {
+        const policy::KeyRange queries = mask.queries_of_keys(kb * Bk, smin((kb + 1) * Bk, seq.seqlen_k));
+        const int64_t first = smax<int64_t>(queries.first, 0);
+        const int64_t last = smin<int64_t>(queries.last, seq.seqlen_q - 1);
+        tiles_first[kb - kb0] = first <= last ? first / Bq : 1;
+        tiles_last[kb - kb0] = first <= last ? last / Bq : 0;
+        lo = smin(lo, tiles_first[kb - kb0]);
+        hi = smax(hi, tiles_last[kb - kb0]);
+      }
+      for (int64_t qt = lo; qt <= hi; ++qt)
+        for (int64_t kb = kb0; kb < kb1; ++kb)
+          if (qt >= tiles_first[kb - kb0] && qt <= tiles_last[kb - kb0]) Engine::tile(p, seq, h, kb, qt, ws, tid);
     });
     const RowPtr dqrows = query_rows(p, p.dq, seq, h);
     team_loop<Shared>(seq.seqlen_q, [&](int64_t i) { Engine::template write_dq<Shared>(p, dqrows, i, ws, tid, nt); });

@@ -103,13 +103,15 @@ TEST(ForwardShapes, ManyHeadsAndBatches) {
 
 TEST(ForwardShapes, ThreadCounts) {
   // More threads than work, one thread, and an odd count: the partition of work must not change results.
+  // bf16 too: its engines (AMX, dot products) have their own scratch layouts for shared and private groups.
   Rng rng;
-  for (int32_t threads : {1, 3, 8}) {
-    AttnCase c = dense_case(FLARE_DTYPE_F32, 2, 70, 90, 3, 3, 64, 64);
-    c.num_threads = threads;
-    c.causal = threads == 3;
-    check_forward(c, rng);
-  }
+  for (flare_dtype dtype : {FLARE_DTYPE_F32, FLARE_DTYPE_BF16})
+    for (int32_t threads : {1, 3, 8}) {
+      AttnCase c = dense_case(dtype, 2, 70, 90, 3, 3, 64, 64);
+      c.num_threads = threads;
+      c.causal = threads == 3;
+      check_forward(c, rng);
+    }
 }
 
 }  // namespace
