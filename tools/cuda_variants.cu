@@ -185,16 +185,17 @@ int main(int argc, char** argv) {
       time_variant<FwdConfig<bf16, 256, FwdShape::kLong>>("hd256 fwd long", 256, seqlen, causal, bufs);
     }
     for (int seqlen : {1024, 4096, 16384}) {
-      // The hd64 backward: the shipped warp layout (atoms S/dP - dK/dV - dQ) against others.
+      // The backward: the shipped configuration of each head dim, and the same with one query-tile loop
+      // that tests the mask per tile (BwdTraits::kMaskLoopApart false).
+      using Hd64OneLoop = BwdTraits<bf16, 64, 128, 128, 8, 4, 4, 4, true, SmemClass::kLarge, 0, false>;
+      using Hd128OneLoop = BwdTraits<bf16, 128, 64, 128, 8, 2, 4, 2, true, SmemClass::kLarge, 0, false>;
+      using Hd256OneLoop = BwdTraits<bf16, 256, 64, 64, 8, 4, 2, 2, true, SmemClass::kLarge, 128, false>;
       time_variant<Shipped<bf16, 64>, BwdConfig<bf16, 64>>("hd64 bwd shipped", 64, seqlen, causal, bufs);
-      time_variant<Shipped<bf16, 64>, BwdTraits<bf16, 64, 128, 128, 8, 2, 4, 4>>("hd64 bwd atoms 2-4-4", 64,
-                                                                              seqlen, causal, bufs);
-      time_variant<Shipped<bf16, 64>, BwdTraits<bf16, 64, 128, 128, 8, 2, 4, 2>>("hd64 bwd atoms 2-4-2", 64,
-                                                                              seqlen, causal, bufs);
-      time_variant<Shipped<bf16, 64>, BwdTraits<bf16, 64, 128, 128, 8, 4, 4, 2>>("hd64 bwd atoms 4-4-2", 64,
-                                                                              seqlen, causal, bufs);
-      time_variant<Shipped<bf16, 64>, BwdTraits<bf16, 64, 128, 128, 8, 4, 2, 4>>("hd64 bwd atoms 4-2-4", 64,
-                                                                              seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 64>, Hd64OneLoop>("hd64 bwd one loop", 64, seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 128>, BwdConfig<bf16, 128>>("hd128 bwd shipped", 128, seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 128>, Hd128OneLoop>("hd128 bwd one loop", 128, seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 256>, BwdConfig<bf16, 256>>("hd256 bwd shipped", 256, seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 256>, Hd256OneLoop>("hd256 bwd one loop", 256, seqlen, causal, bufs);
     }
   }
   return 0;

@@ -201,7 +201,10 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
                 q_rows >= kBlockM && cols == kHeadDim);
       cp_async_fence();
     };
-    for (int m = m_first; m < m_last; ++m) {
+    // One query tile; `masked`: whether it takes the mask, a bool or (T::kMaskLoopApart) a compile-time
+    // constant. Always inlined (the accumulators it captures by reference stay in registers).
+    const auto visit = [&](int m, auto masked) __attribute__((always_inline)) {
+      const bool is_masked = masked;
       const int buf = kBufs == 2 ? (m - m_first) & 1 : 0;
       const int m0 = m * kBlockM;
       const bool more = m + 1 < m_last;
@@ -237,16 +240,15 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
       // 4-7% slower on the H200 (bench/results/gpu-tuning-2026-12-01-3.json).
       Tensor s = rowcol(acc_s);
       Tensor dp = rowcol(acc_dp);
-      const bool masked = !seeing_all.covers(m0, kBlockM);
       const auto p_and_ds = [&](int r, int c, float x, float dtanh) {
         const float pr = fast_exp2(fmaf(x, f, -lse2[r]));
         s(r, c) = pr;
         dp(r, c) = pr * (dp(r, c) - dd[r]) * dtanh;
       };
       if constexpr (kShaped) {
-        shape_scores_each(s, coord_rc, m0 + coords.row_base, n0 + coords.col_base, shape, masked, p_and_ds);
+        shape_scores_each(s, coord_rc, m0 + coords.row_base, n0 + coords.col_base, shape, is_masked, p_and_ds);
       } else {
-        if (masked) mask_scores(s, coord_rc, m0 + coords.row_base, n0 + coords.col_base, shape);
+        if (is_masked) mask_scores(s, coord_rc, m0 + coords.row_base, n0 + coords.col_base, shape);
         CUTE_UNROLL
         for (int r = 0; r < kRows; ++r) {
           CUTE_UNROLL
@@ -284,6 +286,21 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
         __syncthreads();  // every warp is done with Q[m]
         load_next(m, gQ, 0, p.headdim);
       }
+    };
+    if constexpr (T::kMaskLoopApart && !kShaped) {
+      // Tiles from the first up to the first that sees the whole key tile take the mask (the diagonal, under
+      // a causal mask), then the whole ones run without it, then the rest (a window's far edge, the end of the
+      // rows) take it again. Each loop is compiled for its case: with the mask under a run-time condition,
+      // ptxas predicated its compares into the element loop, so that tiles without it still issued them (a
+      // seventh of all instructions at head dim 64 without a mask: bench/results/gpu-profile-2026-12-02.json);
+      // apart, 1.03-1.07x at head dims 64 and 256, 1.00-1.01x at 128 (gpu-tuning-2026-12-02.json). The
+      // kernel with softcap or ALiBi keeps one loop: its score transform runs on every tile anyway.
+      int m = m_first;
+      for (; m < m_last && !seeing_all.covers(m * kBlockM, kBlockM); ++m) visit(m, std::true_type{});
+      for (; m < m_last && seeing_all.covers(m * kBlockM, kBlockM); ++m) visit(m, std::false_type{});
+      for (; m < m_last; ++m) visit(m, std::true_type{});
+    } else {
+      for (int m = m_first; m < m_last; ++m) visit(m, !seeing_all.covers(m * kBlockM, kBlockM));
     }
 
     // dK (scaled) and dV: straight to the caller's tensors (MHA) or to per-query-head fp32 buffers (GQA).

@@ -96,9 +96,13 @@ struct FwdTraits {
 // kClass: the shared-memory class the configuration belongs to (body_here).
 // kDqCols: dQ = dS K is computed in column slices of this width (0 = the whole head dim), each accumulated
 // into the dQ buffer before the next: a slice's accumulator is what the registers must hold at once.
+// kMaskLoopApart: the query tiles that take the mask and the whole ones run in separate loops, each compiled
+// for its case (backward.cuh); else one loop tests per tile.
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kAtomMSdP, int kAtomNdKV,
-          int kAtomMdQ, bool kDoubleBuffer_ = true, SmemClass kClass_ = SmemClass::kLarge, int kDqCols_ = 0>
+          int kAtomMdQ, bool kDoubleBuffer_ = true, SmemClass kClass_ = SmemClass::kLarge, int kDqCols_ = 0,
+          bool kMaskLoopApart_ = true>
 struct BwdTraits {
+  static constexpr bool kMaskLoopApart = kMaskLoopApart_;
   static constexpr int kDqCols = kDqCols_ == 0 ? kHeadDim_ : kDqCols_;
   static_assert(kHeadDim_ % kDqCols == 0 && kDqCols % (16 * (kWarps_ / kAtomMdQ)) == 0,
                 "dQ slices must tile the head dim and the dQ product's columns");
