@@ -89,6 +89,7 @@ struct DotBackward {
     }
   };
 
+  // Nothing to set up per thread (the AMX engines configure their tile registers here).
   static void thread_begin() {}
   static void thread_end() {}
 
@@ -133,6 +134,7 @@ struct DotBackward {
     bf16_delta_and_lse(p, seq, dorows, orows, lse_row(p, seq, h), i0, kBq, pk.delta, pk.lse);
   }
 
+  // Zeroes this thread's dQ accumulator before a query head's key blocks.
   static void clear_dq(const Sequence&, const Scratch& ws, int tid) {
     std::memset(ws.threads[tid].dq, 0, sizeof(float) * ws.nq * ws.ldd);
   }

@@ -53,6 +53,7 @@ struct DotForward {
     }
   };
 
+  // Nothing to set up per thread (the AMX engines configure their tile registers here).
   static void thread_begin() {}
   static void thread_end() {}
 
