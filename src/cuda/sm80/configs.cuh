@@ -34,8 +34,10 @@ struct FwdConfigOf {
   using Short = FwdTraits<Element, kHeadDim, 64, 64, 4>;
   // Head dim 128's long shape runs masked and whole key tiles in separate loops: 1.01-1.04x at every mask and
   // length (gpu-tuning-2026-12-01-6.json); at the other shapes the split was 1-17% slower (more registers,
-  // so less occupancy, or spills).
-  using Long = FwdTraits<Element, kHeadDim, 128, kBlockN, kWarps, kHeadDim == 128>;
+  // so less occupancy, or spills). It also runs calls without softcap and ALiBi in a kernel of its own, with
+  // the mask alone (FwdTraits::kPlainKernel): 1.07-1.14x at every mask and length; the same kernel was 0-24%
+  // slower at the other shapes (gpu-tuning-2026-12-02-2.json).
+  using Long = FwdTraits<Element, kHeadDim, 128, kBlockN, kWarps, kHeadDim == 128, kHeadDim == 128>;
   using type = std::conditional_t<
       kShape == FwdShape::kShort, Short,
       std::conditional_t<kClass == SmemClass::kLarge || Long::kSmemBytes <= kSmallSmemBytes, Long, Short>>;
@@ -50,15 +52,17 @@ using FwdConfig = typename FwdConfigOf<Element, kHeadDim, kShape, kClass>::type;
 // at 512 and, against the long shape's separate mask loop, 1.04x at 1024 (-6.json); at head dim 256,
 // 1.02-1.17x causal at every length (-3.json to -6.json) and 1.01-1.05x without a mask up to 8192 there, but
 // from 4096 on the benchmark's L2-flushed timing 1-2% slower than the long shape (gpu-fwd-bwd-2026-12-01-5.json):
-// short up to 2048.
+// short up to 2048. At head dim 128 the long shape's kernel with the mask alone (kPlainKernel) then beat the
+// short shape at every length too (1.01x causal at 512, 1.03x at 1024: gpu-tuning-2026-12-02-2.json), so
+// head dim 128 runs the long shape throughout.
 // Elsewhere the 128-row tiles are faster (up to 1.18x at head dim 128), so they stay the default.
 // Head dims 32 and 96 follow their neighbours 64 and 128, and 160-224 follow 256 (not timed separately).
 // seqlen_q is the longest sequence (varlen: an upper bound).
 inline FwdShape forward_shape(int head_dim_tile, AttnParams const& p) {
   const bool windowed = p.window_left >= 0 || p.window_right >= 0;
   if (p.forward_rows == 64) return FwdShape::kShort;
-  const int short_up_to = head_dim_tile <= 64 ? (windowed ? 1024 : 0)
-                          : head_dim_tile <= 128 ? (windowed ? 1024 : 0)
+  const int short_up_to = head_dim_tile < 128 ? (windowed ? 1024 : 0)
+                          : head_dim_tile == 128 ? 0
                                                  : (windowed ? INT_MAX : 2048);
   return p.forward_rows != 128 && p.seqlen_q <= short_up_to ? FwdShape::kShort : FwdShape::kLong;
 }

@@ -11,7 +11,9 @@
 
 namespace flare::cuda::sm80 {
 
-template <class T>
+// kShaped: compiled with softcap and ALiBi (every call of a configuration without T::kPlainKernel, else the
+// calls that have them); otherwise the masked tiles take the mask alone.
+template <class T, bool kShaped>
 __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_constant__ AttnParams p) {
   using Element = typename T::Element;
   constexpr int kBlockM = T::kBlockM;
@@ -130,7 +132,11 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
 
     gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma, copy_q, copy_k, thr_copy_q, thr_copy_k);
     Tensor s = rowcol(acc_s);
-    shape_scores(s, coord_rc, m0 + coords.row_base, n0 + coords.col_base, shape, is_masked);
+    if constexpr (kShaped) {
+      shape_scores(s, coord_rc, m0 + coords.row_base, n0 + coords.col_base, shape, is_masked);
+    } else if (is_masked) {
+      mask_scores(s, coord_rc, m0 + coords.row_base, n0 + coords.col_base, shape);
+    }
 
     __syncthreads();  // every warp is done reading K[n]
     if (n > n_first) {
@@ -220,7 +226,13 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
 // Launches the forward for one traits type on `stream`.
 template <class T>
 cudaError_t launch_forward(AttnParams const& p, cudaStream_t stream) {
-  const auto kernel = forward_kernel<T>;
+  const auto kernel = [&] {
+    if constexpr (T::kPlainKernel) {
+      return shaped_scores(p) ? forward_kernel<T, true> : forward_kernel<T, false>;
+    } else {
+      return forward_kernel<T, true>;
+    }
+  }();
   constexpr int kSmem = T::kSmemBytes;
   if constexpr (kSmem > 48 * 1024) {
     if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);

@@ -57,10 +57,14 @@ struct GmemCopy {
 // The forward kernel: a CTA owns kBlockM query rows of one (batch, head) and walks the key tiles.
 // kMaskLoopApart: the tiles that take the mask and the whole ones run in separate loops, each compiled for its
 // case (forward.cuh); else one loop branches per tile.
-template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, bool kMaskLoopApart_ = false>
+// kPlainKernel: calls without softcap and ALiBi run a kernel compiled with the mask alone (forward.cuh);
+// else every call runs the kernel that also carries the score transform.
+template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, bool kMaskLoopApart_ = false,
+          bool kPlainKernel_ = false>
 struct FwdTraits {
   using Element = Element_;
   static constexpr bool kMaskLoopApart = kMaskLoopApart_;
+  static constexpr bool kPlainKernel = kPlainKernel_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
