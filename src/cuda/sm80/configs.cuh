@@ -35,8 +35,9 @@ struct FwdConfigOf {
   // Head dim 128's long shape runs masked and whole key tiles in separate loops: 1.01-1.04x at every mask and
   // length (gpu-tuning-2026-12-01-6.json); at the other shapes the split was 1-17% slower (more registers,
   // so less occupancy, or spills). It also runs calls without softcap and ALiBi in a kernel of its own, with
-  // the mask alone (FwdTraits::kPlainKernel): 1.07-1.14x at every mask and length; the same kernel was 0-24%
-  // slower at the other shapes (gpu-tuning-2026-12-02-2.json).
+  // the mask alone (FwdTraits::kPlainKernel): 1.07-1.14x at every mask and length in the variants tool, the
+  // same kernel 0-24% slower at the other shapes (gpu-tuning-2026-12-02-2.json); in the L2-flushed
+  // benchmark +1-4% causal, within 2% without a mask (gpu-fwd-bwd-2026-12-02-2.json against -02.json).
   using Long = FwdTraits<Element, kHeadDim, 128, kBlockN, kWarps, kHeadDim == 128, kHeadDim == 128>;
   using type = std::conditional_t<
       kShape == FwdShape::kShort, Short,
