@@ -168,9 +168,8 @@ __device__ __forceinline__ void shape_scores_each(S const& s, C const& coord, in
 // The window mask alone, in place: -inf where key j of row i is outside it. For kernels without the transform,
 // called only on boundary tiles, before the exponentials. Key j = n0 + c of row i is visible iff
 // lo_diag - (n0 - i) <= c <= hi_diag - (n0 - i) and c < len_k - n0: two bounds per row and one per tile
-// against each element's column offset c, a compile-time constant (an immediate operand), so the mask holds
-// no register per element (with j - i formed per element, ptxas kept per-element values live across the
-// key loop: 163 -> 202 registers at head dim 64's short forward shape).
+// against each element's column offset c, a compile-time constant (an immediate operand): an element costs
+// its compares and a select, no index arithmetic.
 template <class S, class C>
 __device__ __forceinline__ void mask_scores(S& s, C const& coord, int m0, int n0, ScoreShape const& sh) {
   const int c_end = sh.len_k - n0;
