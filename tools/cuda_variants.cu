@@ -130,6 +130,16 @@ void run_forward(const AttnParams& p) {
   }
 }
 
+// A backward configuration with its query-tile loops merged into one (kMaskLoopApart false), the rest as is.
+template <class T>
+struct OneLoopOf;
+template <class E, int d, int m, int n, int w, int a, int b, int c, bool dbl, SmemClass k, int dq, bool apart>
+struct OneLoopOf<BwdTraits<E, d, m, n, w, a, b, c, dbl, k, dq, apart>> {
+  using type = BwdTraits<E, d, m, n, w, a, b, c, dbl, k, dq, false>;
+};
+template <class T>
+using OneLoop = typename OneLoopOf<T>::type;
+
 // The variants to run: those whose name contains this text (argv[1]); all when null.
 const char* g_only = nullptr;
 
@@ -187,15 +197,14 @@ int main(int argc, char** argv) {
     for (int seqlen : {1024, 4096, 16384}) {
       // The backward: the shipped configuration of each head dim, and the same with one query-tile loop
       // that tests the mask per tile (BwdTraits::kMaskLoopApart false).
-      using Hd64OneLoop = BwdTraits<bf16, 64, 128, 128, 8, 4, 4, 4, true, SmemClass::kLarge, 0, false>;
-      using Hd128OneLoop = BwdTraits<bf16, 128, 64, 128, 8, 2, 4, 2, true, SmemClass::kLarge, 0, false>;
-      using Hd256OneLoop = BwdTraits<bf16, 256, 64, 64, 8, 4, 2, 2, true, SmemClass::kLarge, 128, false>;
       time_variant<Shipped<bf16, 64>, BwdConfig<bf16, 64>>("hd64 bwd shipped", 64, seqlen, causal, bufs);
-      time_variant<Shipped<bf16, 64>, Hd64OneLoop>("hd64 bwd one loop", 64, seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 64>, OneLoop<BwdConfig<bf16, 64>>>("hd64 bwd one loop", 64, seqlen, causal, bufs);
       time_variant<Shipped<bf16, 128>, BwdConfig<bf16, 128>>("hd128 bwd shipped", 128, seqlen, causal, bufs);
-      time_variant<Shipped<bf16, 128>, Hd128OneLoop>("hd128 bwd one loop", 128, seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 128>, OneLoop<BwdConfig<bf16, 128>>>("hd128 bwd one loop", 128, seqlen, causal,
+                                                                      bufs);
       time_variant<Shipped<bf16, 256>, BwdConfig<bf16, 256>>("hd256 bwd shipped", 256, seqlen, causal, bufs);
-      time_variant<Shipped<bf16, 256>, Hd256OneLoop>("hd256 bwd one loop", 256, seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 256>, OneLoop<BwdConfig<bf16, 256>>>("hd256 bwd one loop", 256, seqlen, causal,
+                                                                      bufs);
     }
   }
   return 0;

@@ -187,8 +187,7 @@ inline void forward_tile(const Problem& p, const Sequence& seq, int64_t h, int64
   const RowPtr orows = query_rows(p, p.out, seq, h);
   float* lse = lse_row(p, seq, h);
 
-  const policy::KeyRange keys = mask.keys_of_rows(i0, i0 + rows);
-  const int64_t first = smax<int64_t>(keys.first, 0), last = smin<int64_t>(keys.last, seq.seqlen_k - 1);
+  const auto [first, last] = visible_keys(mask, i0, rows, seq.seqlen_k);
 
   for (int64_t r = 0; r < Bq; ++r) {
     T* qr = t.q + r * dp;
@@ -204,7 +203,7 @@ inline void forward_tile(const Problem& p, const Sequence& seq, int64_t h, int64
   for (int64_t x = 0; x < Bq * dvp; x += W) vstore(t.o + x, V{});
 
   const ScoreShape shape = score_shape(p, seq, h);
-  const bool plain = shape.softcap == 0 && !shape.alibi;
+  const bool plain = shape.plain();
 
   for (int64_t kb = first / Bk; first <= last && kb <= last / Bk; ++kb) {
     const int64_t j0 = kb * Bk;

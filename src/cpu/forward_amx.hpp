@@ -92,9 +92,8 @@ struct AmxForward {
     for (int64_t x = 0; x < row_blocks * 32 * dvpad; x += W) vstore(t.o + x, V{});
 
     const ScoreShape shape = score_shape(p, seq, h);
-    const bool plain = shape.softcap == 0 && !shape.alibi;
-    const policy::KeyRange keys = mask.keys_of_rows(i0, i0 + rows);
-    const int64_t first = smax<int64_t>(keys.first, 0), last = smin<int64_t>(keys.last, seq.seqlen_k - 1);
+    const bool plain = shape.plain();
+    const auto [first, last] = visible_keys(mask, i0, rows, seq.seqlen_k);
 
     for (int64_t kb = first / kBk; first <= last && kb <= last / kBk; ++kb) {
       const int64_t j0 = kb * kBk;

@@ -12,6 +12,8 @@ struct ScoreShape {
   float softcap = 0.0f;  // 0 = off
   float slope = 0.0f;    // ALiBi slope of this head
   bool alibi = false;
+  // Whether the scores need neither softcap nor ALiBi (only the mask may change them).
+  bool plain() const { return softcap == 0 && !alibi; }
 };
 
 // The shaping of head h's scores in sequence seq: the problem's softcap, and ALiBi with this head's slope.
@@ -21,6 +23,12 @@ inline ScoreShape score_shape(const Problem& p, const Sequence& seq, int64_t h) 
   shape.alibi = p.score.alibi_slopes != nullptr;
   shape.slope = alibi_slope(p, seq, h);
   return shape;
+}
+
+// The keys some query of [i0, i0 + rows) sees, clipped to [0, seqlen_k): first > last when there are none.
+inline policy::KeyRange visible_keys(const policy::WindowMask& mask, int64_t i0, int64_t rows, int64_t seqlen_k) {
+  const policy::KeyRange keys = mask.keys_of_rows(i0, i0 + rows);
+  return {smax<int64_t>(keys.first, 0), smin<int64_t>(keys.last, seqlen_k - 1)};
 }
 
 // Whether every query in [i0, i0 + rows) sees every key in [j0, j0 + n): then only the softmax is needed.
