@@ -183,13 +183,18 @@ int main(int argc, char** argv) {
 
   for (bool causal : {false, true}) {
     for (int seqlen : {512, 1024, 2048, 4096, 8192, 16384}) {
-      // The forward: the shipped choice (forward_shape) and both shapes of each head dim.
+      // The forward: the shipped choice (forward_shape), both shapes of each head dim with the score transform
+      // and, where the long shape has one, its kernel with the mask alone (FwdConfigOf::Plain).
       time_variant<Shipped<bf16, 64>>("hd64 fwd shipped", 64, seqlen, causal, bufs);
       time_variant<FwdConfig<bf16, 64, FwdShape::kShort>>("hd64 fwd short", 64, seqlen, causal, bufs);
       time_variant<FwdConfig<bf16, 64, FwdShape::kLong>>("hd64 fwd long", 64, seqlen, causal, bufs);
+      time_variant<FwdConfigOf<bf16, 64, FwdShape::kLong, SmemClass::kLarge>::Plain>("hd64 fwd long plain", 64,
+                                                                                     seqlen, causal, bufs);
       time_variant<Shipped<bf16, 128>>("hd128 fwd shipped", 128, seqlen, causal, bufs);
       time_variant<FwdConfig<bf16, 128, FwdShape::kShort>>("hd128 fwd short", 128, seqlen, causal, bufs);
       time_variant<FwdConfig<bf16, 128, FwdShape::kLong>>("hd128 fwd long", 128, seqlen, causal, bufs);
+      time_variant<FwdConfigOf<bf16, 128, FwdShape::kLong, SmemClass::kLarge>::Plain>("hd128 fwd long plain", 128,
+                                                                                      seqlen, causal, bufs);
       time_variant<Shipped<bf16, 256>>("hd256 fwd shipped", 256, seqlen, causal, bufs);
       time_variant<FwdConfig<bf16, 256, FwdShape::kShort>>("hd256 fwd short", 256, seqlen, causal, bufs);
       time_variant<FwdConfig<bf16, 256, FwdShape::kLong>>("hd256 fwd long", 256, seqlen, causal, bufs);

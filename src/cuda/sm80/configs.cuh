@@ -34,14 +34,28 @@ struct FwdConfigOf {
   using Short = FwdTraits<Element, kHeadDim, 64, 64, 4>;
   // Head dim 128's long shape runs masked and whole key tiles in separate loops: 1.01-1.04x at every mask and
   // length (gpu-tuning-2026-12-01-6.json); at the other shapes the split was 1-17% slower (more registers,
-  // so less occupancy, or spills). It also runs calls without softcap and ALiBi in a kernel of its own, with
-  // the mask alone (FwdTraits::kPlainKernel): 1.07-1.14x at every mask and length in the variants tool, the
-  // same kernel 0-24% slower at the other shapes (gpu-tuning-2026-12-02-2.json); in the L2-flushed
-  // benchmark +1-4% causal, within 2% without a mask (gpu-fwd-bwd-2026-12-02-2.json against -02.json).
-  using Long = FwdTraits<Element, kHeadDim, 128, kBlockN, kWarps, kHeadDim == 128, kHeadDim == 128>;
+  // so less occupancy, or spills) in the kernel that carries softcap and ALiBi.
+  using Long = FwdTraits<Element, kHeadDim, 128, kBlockN, kWarps, kHeadDim == 128>;
   using type = std::conditional_t<
       kShape == FwdShape::kShort, Short,
       std::conditional_t<kClass == SmemClass::kLarge || Long::kSmemBytes <= kSmallSmemBytes, Long, Short>>;
+
+  // The kernel with the mask alone (FwdTraits::kPlain) for calls without softcap and ALiBi — with a mask
+  // only where kPlainMaskedOnly — or void where `type` runs them too.
+  // Head dim 128's long shape: the same tiles and loops; 1.07-1.14x at every mask and length in the
+  // variants tool, the same kernel 0-24% slower in the other shapes (gpu-tuning-2026-12-02-2.json); in the
+  // L2-flushed benchmark +1-4% causal, within 2% without a mask (gpu-fwd-bwd-2026-12-02-2.json against
+  // -02.json). Head dims 32 and 64, long shape: the masked tiles in loops of their own (in this kernel
+  // without spills) and the rescale never skipped: under a causal mask 1.04-1.05x at 1024 and 2048 and
+  // within 1% from 4096 on, without one 0-2% slower than `type`, which those calls keep
+  // (gpu-tuning-2026-12-02-3.json).
+  static constexpr bool kPlainMaskedOnly = kHeadDim < 128;
+  using Plain = std::conditional_t<
+      !std::is_same_v<type, Long>, void,
+      std::conditional_t<kHeadDim == 128, FwdTraits<Element, kHeadDim, 128, kBlockN, kWarps, true, true>,
+                         std::conditional_t<kHeadDim <= 64,
+                                            FwdTraits<Element, kHeadDim, 128, kBlockN, kWarps, true, true, false>,
+                                            void>>>;
 };
 template <class Element, int kHeadDim, FwdShape kShape = FwdShape::kLong, SmemClass kClass = SmemClass::kLarge>
 using FwdConfig = typename FwdConfigOf<Element, kHeadDim, kShape, kClass>::type;
@@ -49,22 +63,25 @@ using FwdConfig = typename FwdConfigOf<Element, kHeadDim, kShape, kClass>::type;
 // Which forward shape a call runs (a run-time choice: the shapes are compiled side by side). 64-row query
 // tiles win where a 128-row CTA's work is short and, under a causal mask, a large part of it sits on the
 // diagonal: on the H200 (bench/results/gpu-tuning-2026-12-01-3.json, 16384 tokens, bf16) they were 1.34x
-// faster at head dim 64, causal, seqlen 512, 1.11x at 1024 and even at 2048; at head dim 128, causal, 1.04x
-// at 512 and, against the long shape's separate mask loop, 1.04x at 1024 (-6.json); at head dim 256,
-// 1.02-1.17x causal at every length (-3.json to -6.json) and 1.01-1.05x without a mask up to 8192 there, but
-// from 4096 on the benchmark's L2-flushed timing 1-2% slower than the long shape (gpu-fwd-bwd-2026-12-01-5.json):
-// short up to 2048. At head dim 128 the long shape's kernel with the mask alone (kPlainKernel) then beat the
-// short shape at every length too (1.01x causal at 512, 1.03x at 1024: gpu-tuning-2026-12-02-2.json), so
-// head dim 128 runs the long shape throughout.
-// Elsewhere the 128-row tiles are faster (up to 1.18x at head dim 128), so they stay the default.
+// faster at head dim 64, causal, seqlen 512, 1.11x at 1024 and even at 2048. Since then:
+// - Head dims 32 and 64: the long shape's kernel with the mask alone (FwdConfigOf::Plain) matches the short
+//   shape at causal 512 and beats it by 1.04x at 1024 (gpu-tuning-2026-12-02-3.json), so masked calls
+//   without softcap and ALiBi take the short shape up to 512 only, those with them up to 1024.
+// - Head dim 128: the long shape's kernel with the mask alone beat the short shape at every length (1.01x
+//   causal at 512, 1.03x at 1024: gpu-tuning-2026-12-02-2.json), so it runs the long shape throughout.
+// - Head dim 256, with the whole-dims kernels (FwdTraits::kWholeDimsKernel): under a causal mask the short
+//   shape is 1.03-1.17x faster up to 4096, even at 8192, and the long one 1.04x faster at 16384; without a
+//   mask short is 1.02x faster at 512, even at 1024, and long 1.02-1.04x faster from 2048
+//   (gpu-tuning-2026-12-02-3.json).
 // Head dims 32 and 96 follow their neighbours 64 and 128, and 160-224 follow 256 (not timed separately).
 // seqlen_q is the longest sequence (varlen: an upper bound).
 inline FwdShape forward_shape(int head_dim_tile, AttnParams const& p) {
   const bool windowed = p.window_left >= 0 || p.window_right >= 0;
   if (p.forward_rows == 64) return FwdShape::kShort;
-  const int short_up_to = head_dim_tile < 128 ? (windowed ? 1024 : 0)
+  const int short_masked_up_to = head_dim_tile <= 64 && !shaped_scores(p) ? 512 : 1024;
+  const int short_up_to = head_dim_tile < 128    ? (windowed ? short_masked_up_to : 0)
                           : head_dim_tile == 128 ? 0
-                                                 : (windowed ? INT_MAX : 2048);
+                                                 : (windowed ? 8192 : 1024);
   return p.forward_rows != 128 && p.seqlen_q <= short_up_to ? FwdShape::kShort : FwdShape::kLong;
 }
 

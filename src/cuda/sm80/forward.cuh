@@ -11,11 +11,13 @@
 
 namespace flare::cuda::sm80 {
 
-// kShaped: compiled with softcap and ALiBi (every call of a configuration without T::kPlainKernel, else the
-// calls that have them); otherwise the masked tiles take the mask alone.
-template <class T, bool kShaped>
+// T::kPlain: compiled with the mask alone, for calls without softcap and ALiBi; else with the score transform.
+// kWholeDims: for calls whose head dims fill the tile (T::kWholeDimsKernel), K and V tiles are copied without
+// column predicates; else whether they need them is a run-time test.
+template <class T, bool kWholeDims>
 __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_constant__ AttnParams p) {
   using Element = typename T::Element;
+  constexpr bool kShaped = !T::kPlain;
   constexpr int kBlockM = T::kBlockM;
   constexpr int kBlockN = T::kBlockN;
   constexpr int kHeadDim = T::kHeadDim;
@@ -91,9 +93,6 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
   Tensor coord_s = ScoreCoords::offsets();
   Tensor coord_rc = make_tensor(coord_s.data(), rowcol_layout(coord_s.layout()));
   constexpr int kRows = decltype(size<0>(o_rc))::value;
-  // The skipped rescale keeps a correction per row live across a branch: with score and output accumulators
-  // of 192 registers per thread (head dim 64, 128-key tiles) that made ptxas spill 13 KB per thread.
-  constexpr bool kSkipSettledRescale = kBlockM * (kBlockN + kHeadDim) / T::kThreads <= 160;
 
   float row_max[kRows];
   float row_sum[kRows];
@@ -104,8 +103,8 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
   }
   const float f = shape.log2_factor;
   const int q_rows = seq.len_q - m0;
-  const bool k_dims_whole = p.headdim == kHeadDim;
-  const bool v_dims_whole = p.headdim_v == kHeadDim;
+  const bool k_dims_whole = kWholeDims || p.headdim == kHeadDim;
+  const bool v_dims_whole = kWholeDims || p.headdim_v == kHeadDim;
 
   // ---- prologue: Q and the first (last) key tile
   copy_rows(gload, tQgQ, tQsQ, tQcQ, q_rows, p.headdim);
@@ -148,7 +147,7 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
     // Online softmax: new running max, rescale what was accumulated, exponentiate this tile. Once the running
     // maxima settle (after the first few tiles, on most rows) the correction is exactly 1: the rescale of the
     // output accumulator (as many multiplies as the accumulator has registers) is skipped unless a row of the
-    // warp moved its maximum (a warp-uniform branch) — where the registers allow it (kSkipSettledRescale).
+    // warp moved its maximum (a warp-uniform branch) — where the registers allow it (T::kSkipSettledRescale).
     float correction[kRows];
     bool moved = false;
     CUTE_UNROLL
@@ -170,7 +169,7 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
       }
       row_sum[r] = row_sum[r] * correction[r] + sum;
     }
-    if (!kSkipSettledRescale || __any_sync(0xffffffffu, moved)) {
+    if (!T::kSkipSettledRescale || __any_sync(0xffffffffu, moved)) {
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         CUTE_UNROLL
@@ -226,13 +225,8 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
 // Launches the forward for one traits type on `stream`.
 template <class T>
 cudaError_t launch_forward(AttnParams const& p, cudaStream_t stream) {
-  const auto kernel = [&] {
-    if constexpr (T::kPlainKernel) {
-      return shaped_scores(p) ? forward_kernel<T, true> : forward_kernel<T, false>;
-    } else {
-      return forward_kernel<T, true>;
-    }
-  }();
+  const bool whole_dims = p.headdim == T::kHeadDim && p.headdim_v == T::kHeadDim;
+  const auto kernel = whole_dims ? forward_kernel<T, T::kWholeDimsKernel> : forward_kernel<T, false>;
   constexpr int kSmem = T::kSmemBytes;
   if constexpr (kSmem > 48 * 1024) {
     if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
@@ -245,12 +239,24 @@ cudaError_t launch_forward(AttnParams const& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// Launches one shape's configuration: its kernel with the mask alone where it has one and the call takes it
+// (FwdConfigOf::Plain), else the one with the score transform.
+template <class Config>
+cudaError_t launch_forward_config(AttnParams const& p, cudaStream_t stream) {
+  using Plain = typename Config::Plain;
+  if constexpr (!std::is_void_v<Plain>) {
+    const bool masked = p.window_left >= 0 || p.window_right >= 0;
+    if (!shaped_scores(p) && (masked || !Config::kPlainMaskedOnly)) return launch_forward<Plain>(p, stream);
+  }
+  return launch_forward<typename Config::type>(p, stream);
+}
+
 template <class Element, int kHeadDim, SmemClass kClass>
 cudaError_t launch_forward_as(AttnParams const& p, cudaStream_t stream) {
   if (forward_shape(kHeadDim, p) == FwdShape::kShort) {
-    return launch_forward<FwdConfig<Element, kHeadDim, FwdShape::kShort, kClass>>(p, stream);
+    return launch_forward_config<FwdConfigOf<Element, kHeadDim, FwdShape::kShort, kClass>>(p, stream);
   }
-  return launch_forward<FwdConfig<Element, kHeadDim, FwdShape::kLong, kClass>>(p, stream);
+  return launch_forward_config<FwdConfigOf<Element, kHeadDim, FwdShape::kLong, kClass>>(p, stream);
 }
 
 // Runs the forward with the configuration for this call's mask, lengths and shared-memory class.

@@ -57,14 +57,24 @@ struct GmemCopy {
 // The forward kernel: a CTA owns kBlockM query rows of one (batch, head) and walks the key tiles.
 // kMaskLoopApart: the tiles that take the mask and the whole ones run in separate loops, each compiled for its
 // case (forward.cuh); else one loop branches per tile.
-// kPlainKernel: calls without softcap and ALiBi run a kernel compiled with the mask alone (forward.cuh);
-// else every call runs the kernel that also carries the score transform.
+// kPlain: the kernel is compiled with the mask alone, for calls without softcap and ALiBi (configs.cuh says
+// which calls take it); else with the score transform too, for any call.
+// kSkipSettledRescale: the output rescale is skipped while no row of a warp moved its maximum (forward.cuh).
+// It keeps a correction per row live across a branch: with score and output accumulators of 192 registers
+// per thread (head dim 64, 128-key tiles) that made ptxas spill 13 KB per thread, hence the default.
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, bool kMaskLoopApart_ = false,
-          bool kPlainKernel_ = false>
+          bool kPlain_ = false,
+          bool kSkipSettledRescale_ = kBlockM_ * (kBlockN_ + kHeadDim_) / (32 * kWarps_) <= 160>
 struct FwdTraits {
   using Element = Element_;
   static constexpr bool kMaskLoopApart = kMaskLoopApart_;
-  static constexpr bool kPlainKernel = kPlainKernel_;
+  static constexpr bool kPlain = kPlain_;
+  static constexpr bool kSkipSettledRescale = kSkipSettledRescale_;
+  // Whether calls whose head dims fill the tile get a kernel of their own, with no column predicates on the K
+  // and V copies (forward.cuh). Above head dim 128 ptxas schedules the loop with both copy paths 2-6% slower
+  // (head dim 256: gpu-tuning-2026-12-02-3.json); at 64 and 128 the twin timed within noise, so those
+  // compile one kernel.
+  static constexpr bool kWholeDimsKernel = kHeadDim_ > 128;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
