@@ -198,6 +198,8 @@ int main(int argc, char** argv) {
       time_variant<Shipped<bf16, 256>>("hd256 fwd shipped", 256, seqlen, causal, bufs);
       time_variant<FwdConfig<bf16, 256, FwdShape::kShort>>("hd256 fwd short", 256, seqlen, causal, bufs);
       time_variant<FwdConfig<bf16, 256, FwdShape::kLong>>("hd256 fwd long", 256, seqlen, causal, bufs);
+      time_variant<FwdConfigOf<bf16, 256, FwdShape::kShort, SmemClass::kLarge>::Plain>("hd256 fwd short plain", 256,
+                                                                                       seqlen, causal, bufs);
     }
     for (int seqlen : {1024, 4096, 16384}) {
       // The backward: the shipped configuration of each head dim, and the same with one query-tile loop

@@ -18,6 +18,10 @@
 // Each has a small-shared-memory twin for sm_86 / sm_89 (SmemClass, params.hpp).
 #pragma once
 
+#include <algorithm>
+#include <climits>
+
+#include "cuda/common/scores.cuh"
 #include "cuda/sm80/traits.cuh"
 
 namespace flare::cuda::sm80 {
@@ -41,21 +45,25 @@ struct FwdConfigOf {
       std::conditional_t<kClass == SmemClass::kLarge || Long::kSmemBytes <= kSmallSmemBytes, Long, Short>>;
 
   // The kernel with the mask alone (FwdTraits::kPlain) for calls without softcap and ALiBi — with a mask
-  // only where kPlainMaskedOnly — or void where `type` runs them too.
-  // Head dim 128's long shape: the same tiles and loops; 1.07-1.14x at every mask and length in the
-  // variants tool, the same kernel 0-24% slower in the other shapes (gpu-tuning-2026-12-02-2.json); in the
-  // L2-flushed benchmark +1-4% causal, within 2% without a mask (gpu-fwd-bwd-2026-12-02-2.json against
-  // -02.json). Head dims 32 and 64, long shape: the masked tiles in loops of their own (in this kernel
-  // without spills) and the rescale never skipped: under a causal mask 1.04-1.05x at 1024 and 2048 and
-  // within 1% from 4096 on, without one 0-2% slower than `type`, which those calls keep
-  // (gpu-tuning-2026-12-02-3.json).
+  // only where kPlainMaskedOnly — or void where `type` runs them too. It runs the masked and the whole key
+  // tiles in separate loops (kMaskLoopApart), which only this kernel affords at most shapes.
+  // - Head dim 128, long shape: 64-key tiles (spilling 208 bytes), the rescale never skipped: 1.02-1.03x the
+  //   32-key kernel without a mask at 512-1024 and under a causal mask at 1024-2048, within 1% at longer
+  //   lengths, 0.98x at causal 512 (gpu-tuning-2026-12-02-3.json); the 32-key kernel with the mask alone was
+  //   1.07-1.14x the one with the transform (gpu-tuning-2026-12-02-2.json).
+  // - Head dims 32 and 64, long shape, masked calls only, the rescale never skipped: 1.04-1.05x at causal
+  //   1024 and 2048, within 1% from 4096 on; calls without a mask keep `type`, 0-2% faster for them.
+  // - Above head dim 128, short shape: 1.01-1.04x the short kernel with the transform at every length and
+  //   mask, and above the long shape too (gpu-tuning-2026-12-02-3.json), so these calls always take the short
+  //   shape (forward_shape).
+  // Elsewhere it was no faster (gpu-tuning-2026-12-02-2.json).
   static constexpr bool kPlainMaskedOnly = kHeadDim < 128;
-  using Plain = std::conditional_t<
-      !std::is_same_v<type, Long>, void,
-      std::conditional_t<kHeadDim == 128, FwdTraits<Element, kHeadDim, 128, kBlockN, kWarps, true, true>,
-                         std::conditional_t<kHeadDim <= 64,
-                                            FwdTraits<Element, kHeadDim, 128, kBlockN, kWarps, true, true, false>,
-                                            void>>>;
+  using LongPlain = std::conditional_t<
+      kHeadDim == 128, FwdTraits<Element, kHeadDim, 128, 64, kWarps, true, true, false>,
+      std::conditional_t<kHeadDim <= 64, FwdTraits<Element, kHeadDim, 128, kBlockN, kWarps, true, true, false>,
+                         void>>;
+  using ShortPlain = std::conditional_t<(kHeadDim > 128), FwdTraits<Element, kHeadDim, 64, 64, 4, true, true>, void>;
+  using Plain = std::conditional_t<std::is_same_v<type, Long>, LongPlain, ShortPlain>;
 };
 template <class Element, int kHeadDim, FwdShape kShape = FwdShape::kLong, SmemClass kClass = SmemClass::kLarge>
 using FwdConfig = typename FwdConfigOf<Element, kHeadDim, kShape, kClass>::type;
@@ -69,10 +77,11 @@ using FwdConfig = typename FwdConfigOf<Element, kHeadDim, kShape, kClass>::type;
 //   without softcap and ALiBi take the short shape up to 512 only, those with them up to 1024.
 // - Head dim 128: the long shape's kernel with the mask alone beat the short shape at every length (1.01x
 //   causal at 512, 1.03x at 1024: gpu-tuning-2026-12-02-2.json), so it runs the long shape throughout.
-// - Head dim 256, with the whole-dims kernels (FwdTraits::kWholeDimsKernel): under a causal mask the short
-//   shape is 1.03-1.17x faster up to 4096, even at 8192, and the long one 1.04x faster at 16384; without a
-//   mask short is 1.02x faster at 512, even at 1024, and long 1.02-1.04x faster from 2048
-//   (gpu-tuning-2026-12-02-3.json).
+// - Head dim 256, with the whole-dims kernels (FwdTraits::kWholeDimsKernel): calls without softcap and ALiBi
+//   always take the short shape, whose kernel with the mask alone beats the long shape at every length
+//   (FwdConfigOf::Plain). For the others, under a causal mask the short shape is 1.03-1.17x faster up to
+//   4096, even at 8192, and the long one 1.04x faster at 16384; without a mask short is 1.02x faster at 512,
+//   even at 1024, and long 1.02-1.04x faster from 2048 (gpu-tuning-2026-12-02-3.json).
 // Head dims 32 and 96 follow their neighbours 64 and 128, and 160-224 follow 256 (not timed separately).
 // seqlen_q is the longest sequence (varlen: an upper bound).
 inline FwdShape forward_shape(int head_dim_tile, AttnParams const& p) {
@@ -81,15 +90,22 @@ inline FwdShape forward_shape(int head_dim_tile, AttnParams const& p) {
   const int short_masked_up_to = head_dim_tile <= 64 && !shaped_scores(p) ? 512 : 1024;
   const int short_up_to = head_dim_tile < 128    ? (windowed ? short_masked_up_to : 0)
                           : head_dim_tile == 128 ? 0
+                          : !shaped_scores(p)    ? INT_MAX
                                                  : (windowed ? 8192 : 1024);
   return p.forward_rows != 128 && p.seqlen_q <= short_up_to ? FwdShape::kShort : FwdShape::kLong;
 }
 
 template <class Element, int kHeadDim, SmemClass kClass>
 constexpr int forward_smem_bytes_as() {
-  constexpr int a = FwdConfig<Element, kHeadDim, FwdShape::kLong, kClass>::kSmemBytes;
-  constexpr int s = FwdConfig<Element, kHeadDim, FwdShape::kShort, kClass>::kSmemBytes;
-  return a > s ? a : s;
+  int most = 0;
+  const auto take = [&](auto config) {
+    using C = decltype(config);
+    most = std::max(most, C::type::kSmemBytes);
+    if constexpr (!std::is_void_v<typename C::Plain>) most = std::max(most, C::Plain::kSmemBytes);
+  };
+  take(FwdConfigOf<Element, kHeadDim, FwdShape::kLong, kClass>{});
+  take(FwdConfigOf<Element, kHeadDim, FwdShape::kShort, kClass>{});
+  return most;
 }
 
 // Backward: BwdTraits<E, d, block_m, block_n, warps, atoms S/dP, atoms dK/dV, atoms dQ, double buffer, class,
