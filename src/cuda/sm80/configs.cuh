@@ -49,13 +49,15 @@ struct FwdConfigOf {
   // tiles in separate loops (kMaskLoopApart), which only this kernel affords at most shapes.
   // - Head dim 128, long shape: 64-key tiles (spilling 208 bytes), the rescale never skipped: 1.02-1.03x the
   //   32-key kernel without a mask at 512-1024 and under a causal mask at 1024-2048, within 1% at longer
-  //   lengths, 0.98x at causal 512 (gpu-tuning-2026-12-02-3.json); the 32-key kernel with the mask alone was
+  //   lengths, 0.98x at causal 512 (gpu-tuning-2026-12-02-4.json); the 32-key kernel with the mask alone was
   //   1.07-1.14x the one with the transform (gpu-tuning-2026-12-02-2.json).
   // - Head dims 32 and 64, long shape, masked calls only, the rescale never skipped: 1.04-1.05x at causal
-  //   1024 and 2048, within 1% from 4096 on; calls without a mask keep `type`, 0-2% faster for them.
+  //   1024 and 2048, within 1% from 4096 on; calls without a mask keep `type`, 0-2% faster for them
+  //   (gpu-tuning-2026-12-02-3.json).
   // - Above head dim 128, short shape: 1.01-1.04x the short kernel with the transform at every length and
-  //   mask, and above the long shape too (gpu-tuning-2026-12-02-3.json), so these calls always take the short
-  //   shape (forward_shape).
+  //   mask, and above the long shape too in the variants tool (gpu-tuning-2026-12-02-4.json), so these calls
+  //   always take the short shape (forward_shape). In the L2-flushed benchmark the long shape had been 2%
+  //   faster without a mask at 2048-8192 (gpu-fwd-bwd-2026-12-02-3.json against -4.json).
   // Elsewhere it was no faster (gpu-tuning-2026-12-02-2.json).
   static constexpr bool kPlainMaskedOnly = kHeadDim < 128;
   using LongPlain = std::conditional_t<
@@ -85,13 +87,13 @@ using FwdConfig = typename FwdConfigOf<Element, kHeadDim, kShape, kClass>::type;
 // Head dims 32 and 96 follow their neighbours 64 and 128, and 160-224 follow 256 (not timed separately).
 // seqlen_q is the longest sequence (varlen: an upper bound).
 inline FwdShape forward_shape(int head_dim_tile, AttnParams const& p) {
-  const bool windowed = p.window_left >= 0 || p.window_right >= 0;
+  const bool masked = windowed(p);
   if (p.forward_rows == 64) return FwdShape::kShort;
   const int short_masked_up_to = head_dim_tile <= 64 && !shaped_scores(p) ? 512 : 1024;
-  const int short_up_to = head_dim_tile < 128    ? (windowed ? short_masked_up_to : 0)
+  const int short_up_to = head_dim_tile < 128    ? (masked ? short_masked_up_to : 0)
                           : head_dim_tile == 128 ? 0
                           : !shaped_scores(p)    ? INT_MAX
-                                                 : (windowed ? 8192 : 1024);
+                                                 : (masked ? 8192 : 1024);
   return p.forward_rows != 128 && p.seqlen_q <= short_up_to ? FwdShape::kShort : FwdShape::kLong;
 }
 

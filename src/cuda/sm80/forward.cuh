@@ -245,8 +245,7 @@ template <class Config>
 cudaError_t launch_forward_config(AttnParams const& p, cudaStream_t stream) {
   using Plain = typename Config::Plain;
   if constexpr (!std::is_void_v<Plain>) {
-    const bool masked = p.window_left >= 0 || p.window_right >= 0;
-    if (!shaped_scores(p) && (masked || !Config::kPlainMaskedOnly)) return launch_forward<Plain>(p, stream);
+    if (!shaped_scores(p) && (windowed(p) || !Config::kPlainMaskedOnly)) return launch_forward<Plain>(p, stream);
   }
   return launch_forward<typename Config::type>(p, stream);
 }
