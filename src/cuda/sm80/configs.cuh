@@ -5,9 +5,11 @@
 // Forward: 128 query rows per CTA, 32 per warp (4 warps) up to head dim 128 — fewer rows per warp would make
 // shared-memory reads of K and V the bottleneck — and 16 per warp (8 warps) beyond, where a 32-row output
 // accumulator alone would exceed the 255-register budget. Key tiles: 64, except 32 in head dim 128's kernel
-// with the score transform (64 spilled registers there; its kernel with the mask alone takes 64, FwdConfigOf::Plain). At head dim 64, 128-key tiles (once the choice without a mask) leave no registers
-// for the skipped rescale of forward.cuh; 64-key tiles with it timed 1.10-1.13x faster (gpu-tuning-
-// 2026-12-01-4.json). Short sequences take 64-row tiles instead (forward_shape). Chosen by timing variants on the H200 (bench/results/gpu-tuning-*.json).
+// with the score transform (64 spilled registers there; its kernel with the mask alone takes 64,
+// FwdConfigOf::Plain). At head dim 64, 128-key tiles (once the choice without a mask) leave no registers for
+// the skipped rescale of forward.cuh; 64-key tiles with it timed 1.10-1.13x faster
+// (gpu-tuning-2026-12-01-4.json). Short sequences take 64-row tiles instead (forward_shape). Chosen by timing
+// variants on the H200 (bench/results/gpu-tuning-*.json).
 // Backward: the K/V tile stays in shared memory while query tiles stream (Q and dO double-buffered);
 // key tiles of 128 up to head dim 128, 64 beyond, where dK and dV accumulators grow with the head dim;
 // query tiles of 128 at head dims <= 64 (half the passes over each K/V tile), 64 beyond. At head dims 192 and
