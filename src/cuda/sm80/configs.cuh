@@ -62,11 +62,10 @@ struct FwdConfigOf {
   //   faster without a mask at 2048-8192 (gpu-fwd-bwd-2026-12-02-3.json against -4.json).
   // Elsewhere it was no faster (gpu-tuning-2026-12-02-2.json).
   static constexpr bool kPlainMaskedOnly = kHeadDim < 128;
-  using LongPlain = std::conditional_t<
-      kHeadDim == 128, FwdTraits<Element, kHeadDim, 128, 64, kWarps, true, true, false>,
-      std::conditional_t<kHeadDim <= 64, FwdTraits<Element, kHeadDim, 128, kBlockN, kWarps, true, true, false>,
-                         void>>;
-  using ShortPlain = std::conditional_t<(kHeadDim > 128), FwdTraits<Element, kHeadDim, 64, 64, 4, true, true>, void>;
+  using LongPlain = std::conditional_t<kHeadDim <= 64 || kHeadDim == 128,
+                                       FwdTraits<Element, kHeadDim, 128, 64, kWarps, true, true, false>, void>;
+  using ShortPlain =
+      std::conditional_t<(kHeadDim > 128), FwdTraits<Element, kHeadDim, 64, 64, 4, true, true>, void>;
   using Plain = std::conditional_t<std::is_same_v<type, Long>, LongPlain, ShortPlain>;
 };
 template <class Element, int kHeadDim, FwdShape kShape = FwdShape::kLong, SmemClass kClass = SmemClass::kLarge>
@@ -86,7 +85,8 @@ using FwdConfig = typename FwdConfigOf<Element, kHeadDim, kShape, kClass>::type;
 //   (FwdConfigOf::Plain). For the others, under a causal mask the short shape is 1.03-1.17x faster up to
 //   4096, even at 8192, and the long one 1.04x faster at 16384; without a mask short is 1.02x faster at 512,
 //   even at 1024, and long 1.02-1.04x faster from 2048 (gpu-tuning-2026-12-02-3.json).
-// Head dims 32 and 96 follow their neighbours 64 and 128, and 160-224 follow 256 (not timed separately).
+// Head dim 32 follows 64 and 160-224 follow 256; head dim 96 keeps the rule 128 had before its kernel with the
+// mask alone, the short shape for masked calls up to 1024 (none timed separately).
 // seqlen_q is the longest sequence (varlen: an upper bound).
 inline FwdShape forward_shape(int head_dim_tile, AttnParams const& p) {
   const bool masked = windowed(p);
