@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Turns the output of tools/cuda_variants (flare_cuda_variants) into a tuning result file: one row per
-(variant, pass, head dim, seqlen, mask), BENCH.md's row fields plus the variant's name and the run's label.
+(variant, pass, head dim, seqlen, mask), BENCH.md's row fields plus the variant's name and the run's label;
+the backward's per-pass times (time_stages lines) as `stages_us`.
 
 Each input is `LABEL=PATH`: LABEL names the tree the binary was built from (a commit, or a commit plus a
 description of the uncommitted change under test), PATH is the text the binary printed.
@@ -23,10 +24,30 @@ WIDTH = 2048
 LINE = re.compile(r"^(?P<name>.+?)\s+hd\s+(?P<hd>\d+) seqlen\s+(?P<seqlen>\d+) (?P<mask>full|causal)\s+"
                   r"fwd\s+(?P<fwd>\d+) TFLOP/s(?:\s+bwd\s+(?P<bwd>\d+) TFLOP/s)?\s*(?P<error>.*)$")
 
+# time_stages: the backward's passes one by one (microseconds), those before -> the shipped ones.
+STAGES = re.compile(r"^(?P<name>.+?)\s+hd\s+(?P<hd>\d+) seqlen\s+(?P<seqlen>\d+) (?P<mask>full|causal)\s+us: "
+                    r"memset\s+(?P<memset>[\d.]+) dsum\s+(?P<dsum_before>[\d.]+) ->\s+(?P<dsum>[\d.]+) "
+                    r"\(with zeroing\) main\s+(?P<main>[\d.]+) dq\s+(?P<dq_before>[\d.]+) ->\s+(?P<dq>[\d.]+) "
+                    r"total\s+(?P<total_before>[\d.]+) ->\s+(?P<total>[\d.]+)\s+max\|dq diff\| (?P<diff>\S+) "
+                    r"of max\|dq\| (?P<most>\S+)(?P<error>.*)$")
+STAGE_FIELDS = ("memset", "dsum_before", "dsum", "main", "dq_before", "dq", "total_before", "total")
+
 
 def parse(label, text):
     rows = []
     for line in text.splitlines():
+        st = STAGES.match(line)
+        if st:
+            hd, seqlen = int(st["hd"]), int(st["seqlen"])
+            row = {"impl": "flare-sm80", "variant": st["name"].strip(), "pass": "bwd", "dtype": "bf16",
+                   "batch": TOKENS // seqlen, "seqlen_q": seqlen, "seqlen_k": seqlen, "nheads": WIDTH // hd,
+                   "nheads_k": WIDTH // hd, "headdim": hd, "causal": st["mask"] == "causal", "run": label,
+                   "stages_us": {f: float(st[f]) for f in STAGE_FIELDS},
+                   "dq_max_abs_diff": float(st["diff"]), "dq_max_abs": float(st["most"])}
+            if st["error"].strip():
+                row["error"] = st["error"].strip()
+            rows.append(row)
+            continue
         m = LINE.match(line)
         if not m:
             continue

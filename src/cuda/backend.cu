@@ -344,11 +344,8 @@ flare_status backward(const Problem& p) {
   b.dq_splits = l.splits;
   b.deterministic = p.deterministic;
 
-  cudaError_t e = cudaMemsetAsync(b.dq_accum, 0, l.dq, stream);
-  if (e == cudaSuccess) {
-    e = by_tile(p.dtype, k.tile, cudaErrorInvalidValue,
-                [&]<flare_dtype D, int d>() { return sm80::run_backward<D, d>(b, stream, k.cls); });
-  }
+  cudaError_t e = by_tile(p.dtype, k.tile, cudaErrorInvalidValue,
+                          [&]<flare_dtype D, int d>() { return sm80::run_backward<D, d>(b, stream, k.cls); });
   if (owned) {
     const cudaError_t f = cudaFreeAsync(ws, stream);
     if (e == cudaSuccess) e = f;

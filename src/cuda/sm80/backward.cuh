@@ -1,5 +1,5 @@
 // backward.cuh — the sm80 backward (FlashAttention-2 scheme). Three kernels per call:
-//   1. dsum_kernel:     D_i = rowsum(dout_i * out_i), one fp32 per query row;
+//   1. dsum_kernel:     D_i = rowsum(dout_i * out_i), one fp32 per query row, and the dQ buffer zeroed;
 //   2. backward_kernel: one CTA per (key tile, head, batch) keeps its K and V tiles in shared memory and walks
 //                       the query tiles that see them, recomputing P = exp(s - lse) and accumulating dK and dV
 //                       in registers; dQ partial products go to an fp32 buffer with atomicAdd;
@@ -14,32 +14,62 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <bit>
+
 #include "cuda/common/scores.cuh"
 #include "cuda/sm80/configs.cuh"
 
 namespace flare::cuda::sm80 {
 
-// ---- 1. D = rowsum(dout * out) ----------------------------------------------------------------------------
+// ---- 1. D = rowsum(dout * out); the dQ buffer zeroed ----------------------------------------------------
+// One CTA per kRowsPerCta query rows of a (head, batch). kLanes threads share a row, each reading 16 bytes of
+// out and of dout (head dims are multiples of 8, rows 16-byte aligned: check_problem), and add up their
+// products with shuffles. The same grid zeroes every dQ buffer in equal contiguous shares (16-byte stores),
+// which the main kernel then accumulates into: one pass over memory instead of a memset and this kernel.
 constexpr int kRowsPerCta = 64;
+constexpr int kDsumThreads = 256;
 
-template <class Element>
-__global__ void __launch_bounds__(256) dsum_kernel(const __grid_constant__ BwdParams p) {
+template <class Element, int kHeadDim>
+__global__ void __launch_bounds__(kDsumThreads) dsum_kernel(const __grid_constant__ BwdParams p) {
+  constexpr int kVec = 16 / int(sizeof(Element));
+  constexpr int kLanes = std::min(32, int(std::bit_ceil(unsigned(kHeadDim / kVec))));
+  constexpr int kRowsPerStep = kDsumThreads / kLanes;
+  static_assert(kLanes * kVec >= kHeadDim && kRowsPerCta % kRowsPerStep == 0);
+
+  const int64_t zero4 = int64_t{p.dq_splits} * p.nheads * p.q_rows * p.headdim_rounded / 4;
+  const int64_t ctas = int64_t{gridDim.x} * gridDim.y * gridDim.z;
+  const int64_t cta = (int64_t{blockIdx.z} * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  const int64_t share = (zero4 + ctas - 1) / ctas;
+  float4* zero = reinterpret_cast<float4*>(p.dq_accum);
+  for (int64_t i = cta * share + threadIdx.x; i < min(zero4, (cta + 1) * share); i += kDsumThreads) {
+    zero[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+
   const int h = blockIdx.y;
   const int b = blockIdx.z;
   const Sequence seq(p, b);
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
   const Element* out = static_cast<const Element*>(p.out.ptr) + seq.q_offset(p.out, b, h);
   const Element* dout = static_cast<const Element*>(p.dout.ptr) + seq.q_offset(p.dout, b, h);
   float* dsum = p.dsum + h * p.q_rows + seq.q_row0(p, b);
-  for (int i = blockIdx.x * kRowsPerCta + warp; i < min(seq.len_q, (blockIdx.x + 1) * kRowsPerCta); i += 8) {
+  const int col = threadIdx.x % kLanes * kVec;
+  const int end = min(seq.len_q, (blockIdx.x + 1) * kRowsPerCta);
+  // A fixed trip count: the shuffles need every lane, and the loads of all steps can be in flight at once.
+  CUTE_UNROLL
+  for (int step = 0; step < kRowsPerCta / kRowsPerStep; ++step) {
+    const int i = blockIdx.x * kRowsPerCta + step * kRowsPerStep + threadIdx.x / kLanes;
     float acc = 0.f;
-    for (int c = lane; c < p.headdim_v; c += 32) {
-      acc += static_cast<float>(out[i * p.out.row_stride + c]) * static_cast<float>(dout[i * p.dout.row_stride + c]);
+    if (i < end && col < p.headdim_v) {
+      const uint4 o = *reinterpret_cast<const uint4*>(out + i * p.out.row_stride + col);
+      const uint4 d = *reinterpret_cast<const uint4*>(dout + i * p.dout.row_stride + col);
+      const Element* oe = reinterpret_cast<const Element*>(&o);
+      const Element* de = reinterpret_cast<const Element*>(&d);
+      CUTE_UNROLL
+      for (int k = 0; k < kVec; ++k) acc += static_cast<float>(oe[k]) * static_cast<float>(de[k]);
     }
     CUTE_UNROLL
-    for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffff, acc, o);
-    if (lane == 0) dsum[i] = acc;
+    for (int o = kLanes / 2; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffff, acc, o);
+    if (i < end && col == 0) dsum[i] = acc;
   }
 }
 
@@ -355,13 +385,23 @@ __global__ void __launch_bounds__(T::kThreads) backward_kernel(const __grid_cons
 
 // ---- 3. fp32 buffers -> the caller's gradients ----------------------------------------------------------------
 // dq = scale * (sum of the dq_splits buffers, in order). One CTA per (query tile, head, batch), with the main
-// kernel's thread count: thread t reads the elements it would have accumulated (coalesced) and writes them at
-// their (row, column).
+// kernel's thread count. The buffer is read in 16-byte vectors: thread u reads floats 4u .. 4u + 3 of each
+// block k of 4 x kThreads floats, which in the fragment order (top) are element i = 4u / kThreads + 4k of
+// threads t = 4u mod kThreads .. t + 3, and puts them at those threads' (row, column) of a shared-memory tile;
+// the tile goes out in 16-byte row vectors. One column slice at a time. (Read as four-byte words and written
+// straight from the fragments two bytes at a time, the pass took 3.4 times as long: 198 against 58 us at head
+// dim 64, bench/results/gpu-tuning-2026-12-02-5.json.)
 template <class T>
 __global__ void __launch_bounds__(T::kThreads) dq_kernel(const __grid_constant__ BwdParams p) {
   using Element = typename T::Element;
   constexpr int kBlockM = T::kBlockM;
   constexpr int kHeadDim = T::kHeadDim;
+  constexpr int kCols = T::kDqCols;
+  constexpr int kThreads = T::kThreads;
+  constexpr int kVec = 16 / int(sizeof(Element));
+  // Rows padded by 16 bytes, to spread the rows that one store instruction writes over the banks.
+  constexpr int kPitch = kCols + kVec;
+  __shared__ alignas(16) Element tile[kBlockM * kPitch];
   const int h = blockIdx.y;
   const int b = blockIdx.z;
   const int tid = threadIdx.x;
@@ -369,23 +409,58 @@ __global__ void __launch_bounds__(T::kThreads) dq_kernel(const __grid_constant__
   const int m0 = blockIdx.x * kBlockM;
   if (m0 >= seq.len_q) return;
   typename T::MmadQ mma_dq;
-  using DqCoords = AccCoords<typename T::MmadQ, Shape<Int<kBlockM>, Int<T::kDqCols>>>;
-  const DqCoords coords(mma_dq, tid);
+  using DqCoords = AccCoords<typename T::MmadQ, Shape<Int<kBlockM>, Int<kCols>>>;
   Tensor offsets = DqCoords::offsets();
+  constexpr int kElems = decltype(size(offsets))::value;  // per thread and slice
+  static_assert(kElems % 4 == 0);
+  const int i0 = 4 * tid / kThreads;  // this thread's elements: i0, i0 + 4, ... of the four threads from t0
+  const int t0 = 4 * tid % kThreads;
+  const DqCoords owner[4] = {DqCoords(mma_dq, t0), DqCoords(mma_dq, t0 + 1), DqCoords(mma_dq, t0 + 2),
+                             DqCoords(mma_dq, t0 + 3)};
   Element* dq = static_cast<Element*>(p.dq.ptr) + seq.q_offset(p.dq, b, h);
   const int64_t split_stride = static_cast<int64_t>(p.nheads) * p.q_rows * kHeadDim;
-  const float* src = p.dq_accum + (h * p.q_rows + seq.q_row0(p, b) + m0) * kHeadDim + tid;
-  for (int slice = 0; slice < kHeadDim / T::kDqCols; ++slice) {
+  const float* src = p.dq_accum + (h * p.q_rows + seq.q_row0(p, b) + m0) * kHeadDim + 4 * tid;
+  const int rows = min(kBlockM, seq.len_q - m0);
+  for (int slice = 0; slice < kHeadDim / kCols; ++slice) {
+    const int col0 = slice * kCols;
+    if (col0 >= p.headdim) break;
+    // Every load of a buffer issued before any is used (the split loop outside the element loop).
+    const float* at = src + slice * (kBlockM * kCols);
+    float4 acc[kElems / 4];
     CUTE_UNROLL
-    for (int i = 0; i < size(offsets); ++i) {
-      const int row = m0 + coords.row_base + get<0>(offsets(i));
-      const int col = slice * T::kDqCols + coords.col_base + get<1>(offsets(i));
-      if (row >= seq.len_q || col >= p.headdim) continue;
-      float acc = 0.f;
-      const float* at = src + slice * (kBlockM * T::kDqCols) + i * T::kThreads;
-      for (int s = 0; s < p.dq_splits; ++s) acc += at[s * split_stride];
-      dq[static_cast<int64_t>(row) * p.dq.row_stride + col] = static_cast<Element>(acc * p.scale);
+    for (int k = 0; k < kElems / 4; ++k) acc[k] = *reinterpret_cast<const float4*>(at + k * 4 * kThreads);
+    for (int s = 1; s < p.dq_splits; ++s) {
+      CUTE_UNROLL
+      for (int k = 0; k < kElems / 4; ++k) {
+        const float4 v = *reinterpret_cast<const float4*>(at + s * split_stride + k * 4 * kThreads);
+        acc[k].x += v.x;
+        acc[k].y += v.y;
+        acc[k].z += v.z;
+        acc[k].w += v.w;
+      }
     }
+    CUTE_UNROLL
+    for (int k = 0; k < kElems / 4; ++k) {
+      const auto at_i = offsets(i0 + 4 * k);
+      const int r = get<0>(at_i);
+      const int c = get<1>(at_i);
+      const float v[4] = {acc[k].x, acc[k].y, acc[k].z, acc[k].w};
+      CUTE_UNROLL
+      for (int j = 0; j < 4; ++j) {
+        tile[(owner[j].row_base + r) * kPitch + owner[j].col_base + c] = static_cast<Element>(v[j] * p.scale);
+      }
+    }
+    __syncthreads();
+    const int cols = min(kCols, p.headdim - col0);
+    for (int v = tid; v < kBlockM * (kCols / kVec); v += kThreads) {
+      const int row = v / (kCols / kVec);
+      const int col = v % (kCols / kVec) * kVec;
+      if (row < rows && col < cols) {
+        *reinterpret_cast<uint4*>(dq + static_cast<int64_t>(m0 + row) * p.dq.row_stride + col0 + col) =
+            *reinterpret_cast<const uint4*>(&tile[row * kPitch + col]);
+      }
+    }
+    __syncthreads();
   }
 }
 
@@ -416,15 +491,15 @@ __global__ void __launch_bounds__(256) dkv_reduce_kernel(const __grid_constant__
   }
 }
 
-// Runs the whole backward with one traits type and score kernel on `stream`; the workspace in p is laid out and
-// dq_accum is zeroed by the caller (backend.cu).
+// Runs the whole backward with one traits type and score kernel on `stream`; the workspace in p is laid out by
+// the caller (backend.cu) and needs no initialisation (dsum_kernel zeroes the dQ buffers).
 template <class T, bool kShaped>
 cudaError_t launch_backward_with(BwdParams const& p, cudaStream_t stream) {
   using Element = typename T::Element;
   const dim3 rows_grid((p.seqlen_q + kRowsPerCta - 1) / kRowsPerCta, p.nheads, p.batch);
   const int n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
   if (rows_grid.x > 0) {
-    dsum_kernel<Element><<<rows_grid, 256, 0, stream>>>(p);
+    dsum_kernel<Element, T::kHeadDim><<<rows_grid, kDsumThreads, 0, stream>>>(p);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
 

@@ -106,11 +106,17 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
   const bool k_dims_whole = kWholeDims || p.headdim == kHeadDim;
   const bool v_dims_whole = kWholeDims || p.headdim_v == kHeadDim;
 
-  // ---- prologue: Q and the first (last) key tile
+  // ---- prologue: Q and the first (last) key tile; with T::kFirstVEarly its V too, in a copy group of its own
+  // (the first visit then waits for Q and K alone)
   copy_rows(gload, tQgQ, tQsQ, tQcQ, q_rows, p.headdim);
   if (n_last > n_first) {
     const int rows = seq.len_k - (n_last - 1) * kBlockN;
     copy_tile(gload, tKgK(_, _, _, n_last - 1), tKsK, tKcK, rows, p.headdim, k_dims_whole && rows >= kBlockN);
+    if constexpr (T::kFirstVEarly) {
+      cp_async_fence();
+      copy_tile(gload, tVgV(_, _, _, n_last - 1), tVsV, tKcK, rows, p.headdim_v,
+                v_dims_whole && rows >= kBlockN);
+    }
   }
   cp_async_fence();
 
@@ -123,10 +129,17 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
     const int n0 = n * kBlockN;
     Tensor acc_s = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     clear(acc_s);
-    cp_async_wait<0>();
+    const bool first = T::kFirstVEarly && n == n_last - 1;  // its V is on its way since the prologue
+    if (first) {
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
     __syncthreads();  // K[n] has landed; every warp is done with V[n + 1]
-    copy_tile(gload, tVgV(_, _, _, n), tVsV, tKcK, seq.len_k - n0, p.headdim_v,
-              v_dims_whole && seq.len_k - n0 >= kBlockN);
+    if (!first) {
+      copy_tile(gload, tVgV(_, _, _, n), tVsV, tKcK, seq.len_k - n0, p.headdim_v,
+                v_dims_whole && seq.len_k - n0 >= kBlockN);
+    }
     cp_async_fence();
 
     gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, mma, copy_q, copy_k, thr_copy_q, thr_copy_k);

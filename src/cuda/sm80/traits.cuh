@@ -75,6 +75,11 @@ struct FwdTraits {
   // (head dim 256: gpu-tuning-2026-12-02-3.json); at 64 and 128 the twin timed within noise, so those
   // compile one kernel.
   static constexpr bool kWholeDimsKernel = kHeadDim_ > 128;
+  // Whether the prologue loads the first key tile's V with its K (in a copy group of its own, so that the
+  // first visit waits for Q and K alone) instead of in the first visit: from head dim 128, 1-4% faster under a
+  // causal mask up to 2048 and 1% at head dim 256 without one, within noise elsewhere; at head dim 64 1-5%
+  // slower (gpu-tuning-2026-12-02-5.json).
+  static constexpr bool kFirstVEarly = kHeadDim_ >= 128;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
