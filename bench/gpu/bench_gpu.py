@@ -5,7 +5,7 @@ and EFFICIENT_ATTENTION backends, in one process, by the protocol of shared/BENC
 Shapes: 16384 tokens in total (batch = 16384 / seqlen), model width 2048 (nheads = 2048 / headdim), seqlen
 512 ... 16384, headdim 64 / 128 / 256, bf16, causal and not, forward and backward. Each implementation gets
 fresh N(0, 1) inputs in its own layout: flare (batch, seqlen, heads, dim) as a QKV projection gives it,
-torch SDPA (batch, heads, seqlen, dim) contiguous, its fastest. Backward times the gradient of one recorded
+each torch backend the memory order it runs fastest (TORCH_LAYOUT), and its backward dout in its output's. Backward times the gradient of one recorded
 forward: flare_bwd fed flare's own out/lse (through the C ABI with params built once, as the CPU bench does),
 torch through autograd (retain_graph).
 Timing: triton.testing.do_bench (CUDA events, L2 flushed before every run, median) after its warm-up; or,
@@ -57,6 +57,14 @@ HEADDIMS = [64, 128, 256]
 IMPLS = ["flare", "torch-flash", "torch-cudnn", "torch-efficient"]
 MEMORY_SEQLENS = [8192, 16384]
 MEMORY_IMPLS = ["flare", "torch-math", "torch-flash"]
+# Each torch backend's inputs in the memory order it runs fastest, all passed as (b, h, s, d) tensors: "bshd"
+# = (b, s, h, d) storage viewed through transpose(1, 2), "bhsd" = (b, h, s, d) contiguous. Its backward gets
+# dout in its own output's memory order, as the layer after it hands the gradient back. Measured on the H200
+# (bench/results/gpu-layouts-2026-12-02.json, seqlen 512): with (b, h, s, d) contiguous inputs torch's
+# FLASH_ATTENTION backward runs a copy kernel of 185-188 us per call at 16384 tokens x width 2048 (and a
+# dout in another order than its output costs another 93 us); from (b, s, h, d) storage, none. cuDNN is 1-2%
+# faster from (b, h, s, d) contiguous inputs.
+TORCH_LAYOUT = {"torch-flash": "bshd", "torch-cudnn": "bhsd", "torch-efficient": "bhsd"}
 GATE_HEADS = 4  # the accuracy gate looks at one sequence and this many heads
 BF16_ULP_AT_1 = 2.0 ** -7
 
@@ -129,9 +137,11 @@ class Autograd:
     def bwd(self):
         if self.graph is None:
             leaves = [x.detach().requires_grad_() for x in (self.q, self.k, self.v)]
-            self.graph = (self.attend(*leaves), leaves)
-        out, leaves = self.graph
-        return torch.autograd.grad(out, leaves, self.dout, retain_graph=True)
+            out = self.attend(*leaves)
+            # the gradient in the output's own memory order (TORCH_LAYOUT)
+            self.graph = (out, leaves, torch.empty_like(out).copy_(self.dout))
+        out, leaves, dout = self.graph
+        return torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
     def outputs(self):
         return self.fwd(), self.bwd()
@@ -271,7 +281,8 @@ def run_shape(seqlen, headdim, causal, args, time_ms, table):
     shape = shape_of(seqlen, headdim, args)
     b, h, s, d = shape["batch"], shape["nheads"], seqlen, headdim
     q, k, v, dout = (torch.randn(b, s, h, d, device=args.device, dtype=torch.bfloat16) for _ in range(4))
-    qt, kt, vt, doutt = (x.transpose(1, 2).contiguous() for x in (q, k, v, dout))  # torch's (b, h, s, d)
+    views = [x.transpose(1, 2) for x in (q, k, v, dout)]  # (b, h, s, d) views of the (b, s, h, d) tensors
+    torch_inputs = {"bshd": views, "bhsd": [x.contiguous() for x in views]}
     backends = sdpa_backends()
     runners, rows = {}, []
     for impl in args.impls:
@@ -289,7 +300,7 @@ def run_shape(seqlen, headdim, causal, args, time_ms, table):
                 for pass_ in args.passes:
                     rows.append(make_row(pass_, impl, shape, causal, None, error=why))
             continue
-        runner = Autograd(sdpa(backends[impl], causal), qt, kt, vt, doutt)
+        runner = Autograd(sdpa(backends[impl], causal), *torch_inputs[TORCH_LAYOUT[impl]])
         why = refusal_reason(runner.fwd) or refusal_reason(runner.bwd)
         if why:
             for pass_ in args.passes:
@@ -465,7 +476,9 @@ def main(argv=None):
     meta = {"commit": sha, "dirty": dirty, "date": run_meta.today(), "command": run_meta.command_line(__file__),
             **run_meta.device_meta(torch), **({} if args.dry_run else run_meta.flare_meta()),
             "shapes": f"batch = {args.tokens} // seqlen, nheads = {args.width} // headdim, bf16",
-            "layouts": "flare (b, s, h, d); torch SDPA (b, h, s, d), each contiguous",
+            "layouts": "flare (b, s, h, d) contiguous; torch SDPA (b, h, s, d) tensors, FLASH_ATTENTION from "
+                       "(b, s, h, d) storage, CUDNN_ATTENTION and EFFICIENT_ATTENTION (b, h, s, d) contiguous "
+                       "(TORCH_LAYOUT); every backward's dout in its output's memory order",
             "timing": (f"triton.testing.do_bench, median, warmup {args.warmup_ms} ms, rep {args.rep_ms} ms, L2 "
                        "flushed before each run" if args.timer == "events"
                        else f"triton.testing.do_bench_cudagraph, median, rep {args.rep_ms} ms"),

@@ -30,17 +30,18 @@ MODEL_WIDTH = 2048
 
 
 def attention_of(impl, q, k, v, causal):
+    """(the call, the tensors it differentiates with respect to)."""
     if impl == "flare":
         import flare
 
-        return lambda: flare.flash_attn_func(q, k, v, causal=causal)
+        return (lambda: flare.flash_attn_func(q, k, v, causal=causal)), (q, k, v)
     qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
 
     def run():
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
             return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
-    return run
+    return run, (qt, kt, vt)
 
 
 def kernel_times(impl, pass_, headdim, seqlen, causal, reps):
@@ -48,7 +49,7 @@ def kernel_times(impl, pass_, headdim, seqlen, causal, reps):
     torch.manual_seed(0)
     shape = (batch, seqlen, heads, headdim)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    attention = attention_of(impl, q, k, v, causal)
+    attention, inputs = attention_of(impl, q, k, v, causal)
     if pass_ == "fwd":
         def call():
             with torch.no_grad():
@@ -58,7 +59,9 @@ def kernel_times(impl, pass_, headdim, seqlen, causal, reps):
         grad = torch.randn_like(out)
 
         def call():
-            out.backward(grad, retain_graph=True)
+            # autograd.grad, not backward: nothing accumulates into .grad (an add kernel per call otherwise;
+            # bench/results/gpu-kernels-2026-12-02.json still has it, for both implementations)
+            torch.autograd.grad(out, inputs, grad, retain_graph=True)
     for _ in range(3):
         call()
     torch.cuda.synchronize()
