@@ -161,103 +161,27 @@ void time_variant(const char* name, int headdim, int seqlen, bool causal, const 
 }
 
 
-// ---- the backward's passes one by one, against the passes before dsum_kernel zeroed the dQ buffer and
-// dq_kernel wrote through shared memory (a memset, a dsum with 2-byte loads, dq stores from the fragments).
-template <class Element>
-__global__ void __launch_bounds__(256) dsum_before(const __grid_constant__ BwdParams p) {
-  const int h = blockIdx.y;
-  const int b = blockIdx.z;
-  const Sequence seq(p, b);
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  const Element* out = static_cast<const Element*>(p.out.ptr) + seq.q_offset(p.out, b, h);
-  const Element* dout = static_cast<const Element*>(p.dout.ptr) + seq.q_offset(p.dout, b, h);
-  float* dsum = p.dsum + h * p.q_rows + seq.q_row0(p, b);
-  for (int i = blockIdx.x * kRowsPerCta + warp; i < min(seq.len_q, (blockIdx.x + 1) * kRowsPerCta); i += 8) {
-    float acc = 0.f;
-    for (int c = lane; c < p.headdim_v; c += 32) {
-      acc += static_cast<float>(out[i * p.out.row_stride + c]) * static_cast<float>(dout[i * p.dout.row_stride + c]);
-    }
-    for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffff, acc, o);
-    if (lane == 0) dsum[i] = acc;
-  }
-}
-
-template <class T>
-__global__ void __launch_bounds__(T::kThreads) dq_before(const __grid_constant__ BwdParams p) {
-  using Element = typename T::Element;
-  constexpr int kBlockM = T::kBlockM;
-  constexpr int kHeadDim = T::kHeadDim;
-  const int h = blockIdx.y;
-  const int b = blockIdx.z;
-  const int tid = threadIdx.x;
-  const Sequence seq(p, b);
-  const int m0 = blockIdx.x * kBlockM;
-  if (m0 >= seq.len_q) return;
-  typename T::MmadQ mma_dq;
-  using DqCoords = AccCoords<typename T::MmadQ, Shape<Int<kBlockM>, Int<T::kDqCols>>>;
-  const DqCoords coords(mma_dq, tid);
-  Tensor offsets = DqCoords::offsets();
-  Element* dq = static_cast<Element*>(p.dq.ptr) + seq.q_offset(p.dq, b, h);
-  const float* src = p.dq_accum + (h * p.q_rows + seq.q_row0(p, b) + m0) * kHeadDim + tid;
-  for (int slice = 0; slice < kHeadDim / T::kDqCols; ++slice) {
-    for (int i = 0; i < size(offsets); ++i) {
-      const int row = m0 + coords.row_base + get<0>(offsets(i));
-      const int col = slice * T::kDqCols + coords.col_base + get<1>(offsets(i));
-      if (row >= seq.len_q || col >= p.headdim) continue;
-      const float acc = src[slice * (kBlockM * T::kDqCols) + i * T::kThreads];
-      dq[static_cast<int64_t>(row) * p.dq.row_stride + col] = static_cast<Element>(acc * p.scale);
-    }
-  }
-}
-
-// Times each pass of the shipped backward of traits T (no mask transform) and of the passes before, and checks
-// that both give the same dq (up to the order of dsum's additions).
+// ---- the backward's passes one by one: dsum_kernel (with the dQ buffer's zeroing), the main kernel (no mask
+// transform), dq_kernel, and the whole backward (launch_backward_with).
 template <class T>
 void time_stages(const char* name, int seqlen, bool causal, const Buffers& bufs) {
   if (g_only != nullptr && std::strstr(name, g_only) == nullptr) return;
   constexpr int d = T::kHeadDim;
+  using E = typename T::Element;
   const AttnParams fp = dense(d, seqlen, causal, bufs);
-  launch_forward_for<typename T::Element, d>(fp, nullptr);
+  launch_forward_for<E, d>(fp, nullptr);
   const BwdParams b = dense_bwd(d, seqlen, causal, bufs);
-  const size_t dq_bytes = sizeof(float) * size_t(b.nheads) * b.q_rows * b.headdim_rounded;
   const dim3 rows_grid((b.seqlen_q + kRowsPerCta - 1) / kRowsPerCta, b.nheads, b.batch);
   const dim3 grid((b.seqlen_k + T::kBlockN - 1) / T::kBlockN, b.nheads, b.batch);
   const dim3 dq_grid((b.seqlen_q + T::kBlockM - 1) / T::kBlockM, b.nheads, b.batch);
   const auto main_kernel = backward_kernel<T, false>;
   cudaFuncSetAttribute(main_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
-  using E = typename T::Element;
-  const double memset = median_ms([&] { cudaMemsetAsync(b.dq_accum, 0, dq_bytes, nullptr); }, 10);
-  const double dsum_old = median_ms([&] { dsum_before<E><<<rows_grid, 256>>>(b); }, 10);
-  const double dsum_new = median_ms([&] { dsum_kernel<E, d><<<rows_grid, kDsumThreads>>>(b); }, 10);
+  const double dsum = median_ms([&] { dsum_kernel<E, d><<<rows_grid, kDsumThreads>>>(b); }, 10);
   const double main = median_ms([&] { main_kernel<<<grid, T::kThreads, T::kSmemBytes>>>(b); }, 10);
-  const double dq_old = median_ms([&] { dq_before<T><<<dq_grid, T::kThreads>>>(b); }, 10);
-  const double dq_new = median_ms([&] { dq_kernel<T><<<dq_grid, T::kThreads>>>(b); }, 10);
-  const auto before = [&] {
-    cudaMemsetAsync(b.dq_accum, 0, dq_bytes, nullptr);
-    dsum_before<E><<<rows_grid, 256>>>(b);
-    main_kernel<<<grid, T::kThreads, T::kSmemBytes>>>(b);
-    dq_before<T><<<dq_grid, T::kThreads>>>(b);
-  };
-  const double total_old = median_ms(before, 10);
-  const double total_new = median_ms([&] { launch_backward_with<T, false>(b, nullptr); }, 10);
-  // Same dq both ways?
-  const size_t n = size_t{kTokens} * kWidth;
-  std::vector<E> dq_a(n), dq_b(n);
-  before();
-  cudaMemcpy(dq_a.data(), bufs.dq, n * sizeof(E), cudaMemcpyDeviceToHost);
-  cudaMemset(bufs.dq, 0xff, n * sizeof(E));
-  launch_backward_with<T, false>(b, nullptr);
-  cudaMemcpy(dq_b.data(), bufs.dq, n * sizeof(E), cudaMemcpyDeviceToHost);
-  double diff = 0, most = 0;
-  for (size_t i = 0; i < n; ++i) {
-    diff = std::max(diff, std::abs(double(float(dq_a[i])) - double(float(dq_b[i]))));
-    most = std::max(most, std::abs(double(float(dq_a[i]))));
-  }
-  std::printf("%-34s hd %3d seqlen %5d %-9s us: memset %6.1f dsum %6.1f -> %6.1f (with zeroing) main %7.1f "
-              "dq %6.1f -> %6.1f total %7.1f -> %7.1f  max|dq diff| %.3g of max|dq| %.3g%s\n",
-              name, d, seqlen, causal ? "causal" : "full", memset * 1e3, dsum_old * 1e3, dsum_new * 1e3,
-              main * 1e3, dq_old * 1e3, dq_new * 1e3, total_old * 1e3, total_new * 1e3, diff, most,
+  const double dq = median_ms([&] { dq_kernel<T><<<dq_grid, T::kThreads>>>(b); }, 10);
+  const double total = median_ms([&] { launch_backward_with<T, false>(b, nullptr); }, 10);
+  std::printf("%-34s hd %3d seqlen %5d %-9s us: dsum %6.1f main %7.1f dq %6.1f total %7.1f%s\n", name, d, seqlen,
+              causal ? "causal" : "full", dsum * 1e3, main * 1e3, dq * 1e3, total * 1e3,
               cudaDeviceSynchronize() == cudaSuccess ? "" : " CUDA ERROR");
 }
 

@@ -24,26 +24,33 @@ WIDTH = 2048
 LINE = re.compile(r"^(?P<name>.+?)\s+hd\s+(?P<hd>\d+) seqlen\s+(?P<seqlen>\d+) (?P<mask>full|causal)\s+"
                   r"fwd\s+(?P<fwd>\d+) TFLOP/s(?:\s+bwd\s+(?P<bwd>\d+) TFLOP/s)?\s*(?P<error>.*)$")
 
-# time_stages: the backward's passes one by one (microseconds), those before -> the shipped ones.
+# time_stages: the backward's passes one by one (microseconds). Two formats: this tool's, and that of
+# b1a5893's tool, which also timed the passes before it ("memset A dsum B -> C ... dq D -> E total F -> G").
 STAGES = re.compile(r"^(?P<name>.+?)\s+hd\s+(?P<hd>\d+) seqlen\s+(?P<seqlen>\d+) (?P<mask>full|causal)\s+us: "
-                    r"memset\s+(?P<memset>[\d.]+) dsum\s+(?P<dsum_before>[\d.]+) ->\s+(?P<dsum>[\d.]+) "
-                    r"\(with zeroing\) main\s+(?P<main>[\d.]+) dq\s+(?P<dq_before>[\d.]+) ->\s+(?P<dq>[\d.]+) "
-                    r"total\s+(?P<total_before>[\d.]+) ->\s+(?P<total>[\d.]+)\s+max\|dq diff\| (?P<diff>\S+) "
-                    r"of max\|dq\| (?P<most>\S+)(?P<error>.*)$")
+                    r"dsum\s+(?P<dsum>[\d.]+) main\s+(?P<main>[\d.]+) dq\s+(?P<dq>[\d.]+) "
+                    r"total\s+(?P<total>[\d.]+)(?P<error>.*)$")
+STAGES_B1A5893 = re.compile(
+    r"^(?P<name>.+?)\s+hd\s+(?P<hd>\d+) seqlen\s+(?P<seqlen>\d+) (?P<mask>full|causal)\s+us: "
+    r"memset\s+(?P<memset>[\d.]+) dsum\s+(?P<dsum_before>[\d.]+) ->\s+(?P<dsum>[\d.]+) "
+    r"\(with zeroing\) main\s+(?P<main>[\d.]+) dq\s+(?P<dq_before>[\d.]+) ->\s+(?P<dq>[\d.]+) "
+    r"total\s+(?P<total_before>[\d.]+) ->\s+(?P<total>[\d.]+)\s+max\|dq diff\| (?P<diff>\S+) "
+    r"of max\|dq\| (?P<most>\S+)(?P<error>.*)$")
 STAGE_FIELDS = ("memset", "dsum_before", "dsum", "main", "dq_before", "dq", "total_before", "total")
 
 
 def parse(label, text):
     rows = []
     for line in text.splitlines():
-        st = STAGES.match(line)
+        st = STAGES.match(line) or STAGES_B1A5893.match(line)
         if st:
             hd, seqlen = int(st["hd"]), int(st["seqlen"])
+            fields = st.groupdict()
             row = {"impl": "flare-sm80", "variant": st["name"].strip(), "pass": "bwd", "dtype": "bf16",
                    "batch": TOKENS // seqlen, "seqlen_q": seqlen, "seqlen_k": seqlen, "nheads": WIDTH // hd,
                    "nheads_k": WIDTH // hd, "headdim": hd, "causal": st["mask"] == "causal", "run": label,
-                   "stages_us": {f: float(st[f]) for f in STAGE_FIELDS},
-                   "dq_max_abs_diff": float(st["diff"]), "dq_max_abs": float(st["most"])}
+                   "stages_us": {f: float(fields[f]) for f in STAGE_FIELDS if fields.get(f) is not None}}
+            if fields.get("diff") is not None:
+                row.update(dq_max_abs_diff=float(fields["diff"]), dq_max_abs=float(fields["most"]))
             if st["error"].strip():
                 row["error"] = st["error"].strip()
             rows.append(row)
