@@ -160,7 +160,6 @@ void time_variant(const char* name, int headdim, int seqlen, bool causal, const 
   std::printf("%s\n", e == cudaSuccess ? "" : cudaGetErrorString(e));
 }
 
-
 // ---- the backward's passes one by one: dsum_kernel (with the dQ buffer's zeroing), the main kernel (no mask
 // transform), dq_kernel, and the whole backward (launch_backward_with).
 template <class T>

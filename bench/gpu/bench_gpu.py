@@ -5,8 +5,8 @@ and EFFICIENT_ATTENTION backends, in one process, by the protocol of shared/BENC
 Shapes: 16384 tokens in total (batch = 16384 / seqlen), model width 2048 (nheads = 2048 / headdim), seqlen
 512 ... 16384, headdim 64 / 128 / 256, bf16, causal and not, forward and backward. Each implementation gets
 fresh N(0, 1) inputs in its own layout: flare (batch, seqlen, heads, dim) as a QKV projection gives it,
-each torch backend the memory order it runs fastest (TORCH_LAYOUT), and its backward dout in its output's. Backward times the gradient of one recorded
-forward: flare_bwd fed flare's own out/lse (through the C ABI with params built once, as the CPU bench does),
+each torch backend the memory order it runs fastest (TORCH_LAYOUT), and its backward dout in its output's.
+Backward times the gradient of one recorded forward: flare_bwd fed flare's own out/lse (through the C ABI with params built once, as the CPU bench does),
 torch through autograd (retain_graph).
 Timing: triton.testing.do_bench (CUDA events, L2 flushed before every run, median) after its warm-up; or,
 with --timer cudagraph, triton's do_bench_cudagraph (launch overhead removed for everyone).
@@ -164,6 +164,13 @@ def flare_autograd(causal):
     return attend
 
 
+def torch_inputs(impl, q, k, v, dout):
+    """q, k, v, dout as (b, h, s, d) tensors in the memory order of torch backend `impl` (TORCH_LAYOUT), from
+    flare's (b, s, h, d) tensors: views of them, or contiguous copies."""
+    views = [x.transpose(1, 2) for x in (q, k, v, dout)]
+    return views if TORCH_LAYOUT[impl] == "bshd" else [x.contiguous() for x in views]
+
+
 def synchronize():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -281,8 +288,6 @@ def run_shape(seqlen, headdim, causal, args, time_ms, table):
     shape = shape_of(seqlen, headdim, args)
     b, h, s, d = shape["batch"], shape["nheads"], seqlen, headdim
     q, k, v, dout = (torch.randn(b, s, h, d, device=args.device, dtype=torch.bfloat16) for _ in range(4))
-    views = [x.transpose(1, 2) for x in (q, k, v, dout)]  # (b, h, s, d) views of the (b, s, h, d) tensors
-    torch_inputs = {"bshd": views, "bhsd": [x.contiguous() for x in views]}
     backends = sdpa_backends()
     runners, rows = {}, []
     for impl in args.impls:
@@ -300,7 +305,7 @@ def run_shape(seqlen, headdim, causal, args, time_ms, table):
                 for pass_ in args.passes:
                     rows.append(make_row(pass_, impl, shape, causal, None, error=why))
             continue
-        runner = Autograd(sdpa(backends[impl], causal), *torch_inputs[TORCH_LAYOUT[impl]])
+        runner = Autograd(sdpa(backends[impl], causal), *torch_inputs(impl, q, k, v, dout))
         why = refusal_reason(runner.fwd) or refusal_reason(runner.bwd)
         if why:
             for pass_ in args.passes:

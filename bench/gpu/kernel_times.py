@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Per-kernel GPU times of one attention call, from torch.profiler: which passes a forward or backward runs
-and what each costs, for flare and torch SDPA's FLASH_ATTENTION (FA2) on the BENCH.md shapes (16384 tokens,
-width 2048, bf16). Complements the variants tool (tools/cuda_variants.cu), which times flare's passes alone.
+and what each costs, for flare and torch SDPA's backends (torch-flash = FA2 by default) on the BENCH.md
+shapes (16384 tokens, width 2048, bf16), with bench_gpu.py's inputs and runners (each backend's memory
+order, TORCH_LAYOUT; the backward as the gradient of one recorded forward, dout in the output's order).
+Complements the variants tool (tools/cuda_variants.cu), which times flare's passes alone.
 
   python3 bench/gpu/kernel_times.py --impl torch-flash --pass bwd --headdim 64 --seqlen 512 1024
   python3 bench/gpu/kernel_times.py --impl flare torch-flash --json out.json
@@ -17,51 +19,25 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import meta  # noqa: E402
-
-TOTAL_TOKENS = 16384
-MODEL_WIDTH = 2048
-
-
-def attention_of(impl, q, k, v, causal):
-    """(the call, the tensors it differentiates with respect to)."""
-    if impl == "flare":
-        import flare
-
-        return (lambda: flare.flash_attn_func(q, k, v, causal=causal)), (q, k, v)
-    qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
-
-    def run():
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-
-    return run, (qt, kt, vt)
+# The benchmark's own inputs and runners: the same memory orders (TORCH_LAYOUT) and dout handling.
+from bench_gpu import (MODEL_WIDTH, TORCH_LAYOUT, TOTAL_TOKENS, Autograd, flare_autograd, sdpa,  # noqa: E402
+                       sdpa_backends, torch_inputs)
 
 
 def kernel_times(impl, pass_, headdim, seqlen, causal, reps):
     batch, heads = TOTAL_TOKENS // seqlen, MODEL_WIDTH // headdim
     torch.manual_seed(0)
-    shape = (batch, seqlen, heads, headdim)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    attention, inputs = attention_of(impl, q, k, v, causal)
-    if pass_ == "fwd":
-        def call():
-            with torch.no_grad():
-                attention()
+    q, k, v, dout = (torch.randn(batch, seqlen, heads, headdim, device="cuda", dtype=torch.bfloat16)
+                     for _ in range(4))
+    if impl == "flare":
+        runner = Autograd(flare_autograd(causal), q, k, v, dout)
     else:
-        out = attention()
-        grad = torch.randn_like(out)
-
-        def call():
-            # autograd.grad, not backward: nothing accumulates into .grad (an add kernel per call otherwise;
-            # bench/results/gpu-kernels-2026-12-02.json still has it, for both implementations)
-            torch.autograd.grad(out, inputs, grad, retain_graph=True)
+        runner = Autograd(sdpa(sdpa_backends()[impl], causal), *torch_inputs(impl, q, k, v, dout))
+    call = runner.fwd if pass_ == "fwd" else runner.bwd
     for _ in range(3):
         call()
     torch.cuda.synchronize()
@@ -81,7 +57,7 @@ def kernel_times(impl, pass_, headdim, seqlen, causal, reps):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--impl", nargs="+", choices=["flare", "torch-flash"], default=["flare", "torch-flash"])
+    ap.add_argument("--impl", nargs="+", choices=["flare"] + sorted(TORCH_LAYOUT), default=["flare", "torch-flash"])
     ap.add_argument("--pass", dest="pass_", nargs="+", choices=["fwd", "bwd"], default=["bwd"])
     ap.add_argument("--headdim", type=int, nargs="+", default=[64])
     ap.add_argument("--seqlen", type=int, nargs="+", default=[512, 1024])
