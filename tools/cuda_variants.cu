@@ -161,7 +161,7 @@ void time_variant(const char* name, int headdim, int seqlen, bool causal, const 
 }
 
 // ---- the backward's passes one by one: dsum_kernel (with the dQ buffer's zeroing), the main kernel (no mask
-// transform), dq_kernel, and the whole backward (launch_backward_with).
+// transform), dq_kernel, and the whole backward (launch_backward_with), on the grids it launches them on.
 template <class T>
 void time_stages(const char* name, int seqlen, bool causal, const Buffers& bufs) {
   if (g_only != nullptr && std::strstr(name, g_only) == nullptr) return;
@@ -170,18 +170,72 @@ void time_stages(const char* name, int seqlen, bool causal, const Buffers& bufs)
   const AttnParams fp = dense(d, seqlen, causal, bufs);
   launch_forward_for<E, d>(fp, nullptr);
   const BwdParams b = dense_bwd(d, seqlen, causal, bufs);
-  const dim3 rows_grid((b.seqlen_q + kRowsPerCta - 1) / kRowsPerCta, b.nheads, b.batch);
-  const dim3 grid((b.seqlen_k + T::kBlockN - 1) / T::kBlockN, b.nheads, b.batch);
-  const dim3 dq_grid((b.seqlen_q + T::kBlockM - 1) / T::kBlockM, b.nheads, b.batch);
+  const BwdGrids<T> grids(b);
   const auto main_kernel = backward_kernel<T, false>;
   cudaFuncSetAttribute(main_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
-  const double dsum = median_ms([&] { dsum_kernel<E, d><<<rows_grid, kDsumThreads>>>(b); }, 10);
-  const double main = median_ms([&] { main_kernel<<<grid, T::kThreads, T::kSmemBytes>>>(b); }, 10);
-  const double dq = median_ms([&] { dq_kernel<T><<<dq_grid, T::kThreads>>>(b); }, 10);
+  const double dsum = median_ms([&] { dsum_kernel<E, d><<<grids.rows, kDsumThreads>>>(b); }, 10);
+  const double main = median_ms([&] { main_kernel<<<grids.main, T::kThreads, T::kSmemBytes>>>(b); }, 10);
+  const double dq = median_ms([&] { dq_kernel<T><<<grids.dq, T::kThreads>>>(b); }, 10);
   const double total = median_ms([&] { launch_backward_with<T, false>(b, nullptr); }, 10);
   std::printf("%-34s hd %3d seqlen %5d %-9s us: dsum %6.1f main %7.1f dq %6.1f total %7.1f%s\n", name, d, seqlen,
               causal ? "causal" : "full", dsum * 1e3, main * 1e3, dq * 1e3, total * 1e3,
               cudaDeviceSynchronize() == cudaSuccess ? "" : " CUDA ERROR");
+}
+
+// ---- a check that two backward configurations agree: dK and dV bitwise (each CTA sums its query tiles in
+// one order either way), dQ to within fp32 rounding of its atomics (relative to its largest element), with
+// the gradients poisoned (all-ones bits: NaN) before each run, so that any element left unwritten fails.
+template <class A, class B>
+bool same_backward(const char* name, int seqlen, bool causal, const Buffers& bufs) {
+  if (g_only != nullptr && std::strstr(name, g_only) == nullptr) return true;
+  using E = typename A::Element;
+  constexpr int d = A::kHeadDim;
+  const AttnParams fp = dense(d, seqlen, causal, bufs);
+  launch_forward_for<E, d>(fp, nullptr);
+  const BwdParams b = dense_bwd(d, seqlen, causal, bufs);
+  const size_t n = size_t{kTokens} * kWidth;
+  std::vector<uint16_t> out[2][3];
+  for (int run = 0; run < 2; ++run) {
+    for (bf16* g : {bufs.dq, bufs.dk, bufs.dv}) cudaMemset(g, 0xff, n * sizeof(bf16));
+    const cudaError_t e = run == 0 ? launch_backward<A>(b, nullptr) : launch_backward<B>(b, nullptr);
+    if (e != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) {
+      std::printf("%-34s hd %3d seqlen %5d %-9s CUDA ERROR\n", name, d, seqlen, causal ? "causal" : "full");
+      return false;
+    }
+    int i = 0;
+    for (bf16* g : {bufs.dq, bufs.dk, bufs.dv}) {
+      out[run][i].resize(n);
+      cudaMemcpy(out[run][i++].data(), g, n * sizeof(bf16), cudaMemcpyDeviceToHost);
+    }
+  }
+  const auto value = [](uint16_t bits) {
+    const uint32_t w = uint32_t{bits} << 16;
+    float f;
+    std::memcpy(&f, &w, sizeof f);
+    return f;
+  };
+  size_t unwritten = 0, dkv_differ = 0;
+  double dq_diff = 0, dq_max = 0;
+  const size_t used = size_t{b.batch} * seqlen * kWidth;  // 1000 does not divide the tokens
+  for (int g = 0; g < 3; ++g) {
+    for (size_t i = 0; i < used; ++i) {
+      const float x = value(out[0][g][i]), y = value(out[1][g][i]);
+      if (std::isnan(x) || std::isnan(y)) ++unwritten;
+      if (g == 0) {
+        dq_diff = std::max(dq_diff, double(std::fabs(x - y)));
+        dq_max = std::max(dq_max, double(std::fabs(x)));
+      } else if (out[0][g][i] != out[1][g][i]) {
+        ++dkv_differ;
+      }
+    }
+  }
+  // bf16 keeps 8 bits: two roundings of differently ordered fp32 sums differ by at most a few units there.
+  const bool ok = unwritten == 0 && dkv_differ == 0 && dq_diff <= dq_max * (1.0 / 64);
+  std::printf("%-34s hd %3d seqlen %5d %-9s check: unwritten %zu, dK/dV differing %zu, dQ max diff %.3g of "
+              "%.3g %s\n",
+              name, d, seqlen, causal ? "causal" : "full", unwritten, dkv_differ, dq_diff, dq_max,
+              ok ? "OK" : "FAILED");
+  return ok;
 }
 
 }  // namespace flare::tools
@@ -201,8 +255,20 @@ int main(int argc, char** argv) {
   cudaMalloc(&bufs.lse, sizeof(float) * kTokens * 64);
   cudaMalloc(&bufs.workspace, sizeof(float) * (n + size_t{kTokens} * 64) + (1 << 20));
 
+  // Variants first checked against the shipped configuration (same_backward), then timed.
+  bool same = true;
   for (bool causal : {false, true}) {
-    for (int seqlen : {512, 1024, 2048}) {
+    for (int seqlen : {512, 1000}) {  // 1000: a partial last tile
+      same &= same_backward<BwdConfig<bf16, 64>, OneLoop<BwdConfig<bf16, 64>>>("hd64 bwd check one loop", seqlen,
+                                                                             causal, bufs);
+      same &= same_backward<BwdConfig<bf16, 128>, OneLoop<BwdConfig<bf16, 128>>>("hd128 bwd check one loop",
+                                                                               seqlen, causal, bufs);
+      same &= same_backward<BwdConfig<bf16, 256>, OneLoop<BwdConfig<bf16, 256>>>("hd256 bwd check one loop",
+                                                                               seqlen, causal, bufs);
+    }
+  }
+  for (bool causal : {false, true}) {
+    for (int seqlen : {512, 1024, 2048, 4096}) {
       time_stages<BwdConfig<bf16, 64>>("hd64 bwd stages", seqlen, causal, bufs);
       time_stages<BwdConfig<bf16, 128>>("hd128 bwd stages", seqlen, causal, bufs);
       time_stages<BwdConfig<bf16, 256>>("hd256 bwd stages", seqlen, causal, bufs);
@@ -239,5 +305,5 @@ int main(int argc, char** argv) {
                                                                       bufs);
     }
   }
-  return 0;
+  return same ? 0 : 1;
 }

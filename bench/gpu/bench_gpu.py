@@ -349,10 +349,11 @@ def run_memory(seqlens, args):
         for impl in MEMORY_IMPLS:
             gc.collect()
             torch.cuda.empty_cache()
-            layout = (1, seqlen, 16, 128) if impl == "flare" else (1, 16, seqlen, 128)
-            q, k, v, dout = (torch.randn(*layout, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+            q, k, v, dout = (torch.randn(1, seqlen, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+            if impl != "flare":  # each torch backend in its memory order (TORCH_LAYOUT), made before `base`
+                q, k, v, dout = torch_inputs(impl, q, k, v, dout)
             for x in (q, k, v):
-                x.requires_grad_()
+                x.requires_grad_()  # leaves (views of tensors without grad, or copies): no copy in the backward
             attend = flare_autograd(True) if impl == "flare" else sdpa(backends[impl], True)
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()

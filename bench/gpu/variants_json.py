@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Turns the output of tools/cuda_variants (flare_cuda_variants) into a tuning result file: one row per
 (variant, pass, head dim, seqlen, mask), BENCH.md's row fields plus the variant's name and the run's label;
-the backward's per-pass times (time_stages lines) as `stages_us`.
+the backward's per-pass times (time_stages lines) as `stages_us`; same_backward's comparisons as `check`.
 
 Each input is `LABEL=PATH`: LABEL names the tree the binary was built from (a commit, or a commit plus a
 description of the uncommitted change under test), PATH is the text the binary printed.
@@ -35,12 +35,26 @@ STAGES_B1A5893 = re.compile(
     r"\(with zeroing\) main\s+(?P<main>[\d.]+) dq\s+(?P<dq_before>[\d.]+) ->\s+(?P<dq>[\d.]+) "
     r"total\s+(?P<total_before>[\d.]+) ->\s+(?P<total>[\d.]+)\s+max\|dq diff\| (?P<diff>\S+) "
     r"of max\|dq\| (?P<most>\S+)(?P<error>.*)$")
+# same_backward: a variant's gradients against the shipped configuration's.
+CHECK = re.compile(r"^(?P<name>.+?)\s+hd\s+(?P<hd>\d+) seqlen\s+(?P<seqlen>\d+) (?P<mask>full|causal)\s+check: "
+                   r"unwritten (?P<unwritten>\d+), dK/dV differing (?P<differ>\d+), dQ max diff (?P<diff>\S+) of "
+                   r"(?P<most>\S+) (?P<verdict>OK|FAILED)$")
 STAGE_FIELDS = ("memset", "dsum_before", "dsum", "main", "dq_before", "dq", "total_before", "total")
 
 
 def parse(label, text):
     rows = []
     for line in text.splitlines():
+        ck = CHECK.match(line)
+        if ck:
+            hd, seqlen = int(ck["hd"]), int(ck["seqlen"])
+            rows.append({"impl": "flare-sm80", "variant": ck["name"].strip(), "pass": "bwd", "dtype": "bf16",
+                         "batch": TOKENS // seqlen, "seqlen_q": seqlen, "seqlen_k": seqlen, "nheads": WIDTH // hd,
+                         "nheads_k": WIDTH // hd, "headdim": hd, "causal": ck["mask"] == "causal", "run": label,
+                         "check": {"unwritten": int(ck["unwritten"]), "dkdv_differing": int(ck["differ"]),
+                                   "dq_max_abs_diff": float(ck["diff"]), "dq_max_abs": float(ck["most"]),
+                                   "passed": ck["verdict"] == "OK"}})
+            continue
         st = STAGES.match(line) or STAGES_B1A5893.match(line)
         if st:
             hd, seqlen = int(st["hd"]), int(st["seqlen"])

@@ -74,6 +74,19 @@ __global__ void __launch_bounds__(kDsumThreads) dsum_kernel(const __grid_constan
 }
 
 // ---- 2. the main kernel -------------------------------------------------------------------------------------
+// The query tiles [m_first, m_last) whose rows see any key of tile [n0, n0 + block_n) (empty when none does).
+__device__ __forceinline__ void query_tiles_of(policy::WindowMask const& mask, int n0, int block_n, int block_m,
+                                               int& m_first, int& m_last) {
+  const int len_q = static_cast<int>(mask.seqlen_q);
+  const int len_k = static_cast<int>(mask.seqlen_k);
+  const policy::KeyRange qs = mask.queries_of_keys(n0, min(n0 + block_n, len_k));
+  const int64_t q_first = max<int64_t>(qs.first, 0);
+  // No query sees a tile that starts at or past the used keys.
+  const int64_t q_last = n0 < len_k ? min<int64_t>(qs.last, len_q - 1) : -1;
+  m_first = q_last >= q_first ? static_cast<int>(q_first / block_m) : 0;
+  m_last = q_last >= q_first ? static_cast<int>(q_last / block_m) + 1 : 0;
+}
+
 // kShaped: compiled for calls with softcap or ALiBi (shaped_scores); the common kernel carries neither, which
 // keeps its registers within budget (the softcap path spilled ~1 KB per thread into every call's kernel).
 template <class T, bool kShaped>
@@ -92,25 +105,10 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
   if (static_cast<int>(blockIdx.x) >= n_blocks) return;
   const int group = p.nheads / p.nheads_k;
   const int hk = h / group;
-  const ScoreShape shape(p, b, h, seq.len_q, seq.len_k);
-  const float f = shape.log2_factor;
-  const int64_t q_row0 = seq.q_row0(p, b);
-  const int64_t k_row0 = seq.k_row0(p, b);
-  const float* lse = p.lse + seq.lse_offset(p, b, h);
-  const float* dsum = p.dsum + h * p.q_rows + q_row0;
-  float* dq_accum = p.dq_accum +
-                    ((static_cast<int64_t>(p.deterministic ? blockIdx.x : 0) * p.nheads + h) * p.q_rows + q_row0) *
-                        kHeadDim;
+  const policy::WindowMask mask{seq.len_q, seq.len_k, p.window_left, p.window_right};
 
   using TileM = Shape<Int<kBlockM>, Int<kHeadDim>>;
   using TileN = Shape<Int<kBlockN>, Int<kHeadDim>>;
-  const auto gmem = [](Tensor3 const& t, int64_t offset, int rows) {
-    return gmem_rows<Element, kHeadDim>(t, offset, rows);
-  };
-  Tensor gQ = local_tile(gmem(p.q, seq.q_offset(p.q, b, h), seq.len_q), TileM{}, make_coord(_, 0));
-  Tensor gdO = local_tile(gmem(p.dout, seq.q_offset(p.dout, b, h), seq.len_q), TileM{}, make_coord(_, 0));
-  Tensor gK = local_tile(gmem(p.k, seq.k_offset(p.k, b, hk), seq.len_k), TileN{}, make_coord(_, 0));
-  Tensor gV = local_tile(gmem(p.v, seq.k_offset(p.v, b, hk), seq.len_k), TileN{}, make_coord(_, 0));
 
   extern __shared__ char smem[];
   Element* base = reinterpret_cast<Element*>(smem);
@@ -140,6 +138,23 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
   auto gthr = gload.get_thread_slice(tid);
   Tensor tQcQ = gthr.partition_S(make_identity_tensor(TileM{}));
   Tensor tKcK = gthr.partition_S(make_identity_tensor(TileN{}));
+  // One tile of an operand into shared memory, from `offset` elements into it, `rows` rows of it existing;
+  // unpredicated when the tile is whole (every tile but a sequence's last, at a compiled head dim).
+  const auto load_tile = [&](Tensor3 const& t, int64_t offset, int rows, int cols, Element* to, auto tile,
+                             auto layout, auto const& coord) {
+    constexpr int kRowsOfTile = decltype(size<0>(tile))::value;
+    Tensor g = make_tensor(make_gmem_ptr(static_cast<const Element*>(t.ptr) + offset), tile,
+                           make_stride(t.row_stride, _1{}));
+    Tensor s = make_tensor(make_smem_ptr(to), layout);
+    copy_tile(gload, gthr.partition_S(g), gthr.partition_D(s), coord, rows, cols,
+              rows >= kRowsOfTile && cols == kHeadDim);
+  };
+  const auto load_kv = [&](Tensor3 const& t, int64_t offset, int rows, int cols, Element* to) {
+    load_tile(t, offset, rows, cols, to, TileN{}, typename T::SmemLayoutKV{}, tKcK);
+  };
+  const auto load_q = [&](Tensor3 const& t, int64_t offset, int rows, int cols, int to) {
+    load_tile(t, offset, rows, cols, base + to * kQ, TileM{}, typename T::SmemLayoutQ{}, tQcQ);
+  };
 
   typename T::MmaSdP mma_sdp;
   auto thr_sdp = mma_sdp.get_thread_slice(tid);
@@ -194,16 +209,34 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
   Tensor coord_rc = make_tensor(coord_s.data(), rowcol_layout(coord_s.layout()));
   constexpr int kRows = decltype(size<0>(coord_rc))::value;
 
+  // Deterministic mode walks several key tiles, one after the other.
   for (int n_block = blockIdx.x; n_block < n_blocks; n_block += gridDim.x) {
     const int n0 = n_block * kBlockN;
-    const int k_rows = seq.len_k - n0;
-    // The query tiles whose rows see any key of this tile.
-    const policy::KeyRange qs = shape.mask.queries_of_keys(n0, min(n0 + kBlockN, seq.len_k));
-    const int64_t q_first = max<int64_t>(qs.first, 0);
-    // No query sees a tile that starts at or past the used keys.
-    const int64_t q_last = n0 < seq.len_k ? min<int64_t>(qs.last, seq.len_q - 1) : -1;
-    const int m_first = q_last >= q_first ? static_cast<int>(q_first / kBlockM) : 0;
-    const int m_last = q_last >= q_first ? static_cast<int>(q_last / kBlockM) + 1 : 0;
+    int m_first, m_last;
+    query_tiles_of(mask, n0, kBlockN, kBlockM, m_first, m_last);
+    // The tile's loads go first: the set-up below runs while they land.
+    __syncthreads();  // the previous key tile (deterministic mode) is done with shared memory
+    load_kv(p.k, seq.k_offset(p.k, b, hk) + int64_t{n0} * p.k.row_stride, seq.len_k - n0, p.headdim, k_base);
+    load_kv(p.v, seq.k_offset(p.v, b, hk) + int64_t{n0} * p.v.row_stride, seq.len_k - n0, p.headdim_v,
+            k_base + kKV);
+    if (m_last > m_first) {
+      const int q_rows = seq.len_q - m_first * kBlockM;
+      load_q(p.q, seq.q_offset(p.q, b, h) + int64_t{m_first} * kBlockM * p.q.row_stride, q_rows, p.headdim, 0);
+      load_q(p.dout, seq.q_offset(p.dout, b, h) + int64_t{m_first} * kBlockM * p.dout.row_stride, q_rows,
+             p.headdim_v, kBufs);
+    }
+    cp_async_fence();
+
+    const ScoreShape shape(p, b, h, seq.len_q, seq.len_k);
+    const float f = shape.log2_factor;
+    const int64_t q_row0 = seq.q_row0(p, b);
+    const float* lse = p.lse + seq.lse_offset(p, b, h);
+    const float* dsum = p.dsum + h * p.q_rows + q_row0;
+    float* dq_accum = p.dq_accum +
+                      ((static_cast<int64_t>(p.deterministic ? blockIdx.x : 0) * p.nheads + h) * p.q_rows + q_row0) *
+                          kHeadDim;
+    const int64_t q_offset = seq.q_offset(p.q, b, h);
+    const int64_t dout_offset = seq.q_offset(p.dout, b, h);
     const Span seeing_all = shape.rows_seeing_all(n0, n0 + kBlockN);  // query tiles inside need no mask
 
     Tensor acc_dk = partition_fragment_C(mma_dkv, TileN{});
@@ -211,24 +244,10 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
     clear(acc_dk);
     clear(acc_dv);
 
-    __syncthreads();  // the previous key tile (deterministic mode) is done with shared memory
-    copy_rows(gload, gthr.partition_S(gK(_, _, n_block)), gthr.partition_D(sK), tKcK, k_rows, p.headdim);
-    copy_rows(gload, gthr.partition_S(gV(_, _, n_block)), gthr.partition_D(sV), tKcK, k_rows, p.headdim_v);
-    if (m_last > m_first) {
-      const int q_rows = seq.len_q - m_first * kBlockM;
-      copy_rows(gload, gthr.partition_S(gQ(_, _, m_first)), gthr.partition_D(sQ_at(0)), tQcQ, q_rows, p.headdim);
-      copy_rows(gload, gthr.partition_S(gdO(_, _, m_first)), gthr.partition_D(sdO_at(0)), tQcQ, q_rows,
-                p.headdim_v);
-    }
-    cp_async_fence();
-
-    // The next query tile's Q or dO into buffer `to`.
-    // Unpredicated when the tile is whole (every tile but a sequence's last, at a compiled head dim).
-    const auto load_next = [&](int m, auto const& g, int to, int cols) {
+    // The next query tile's Q or dO (operand t, its rows from `offset`) into buffer `to`.
+    const auto load_next = [&](int m, auto const& t, int64_t offset, int to, int cols) {
       const int q_rows = seq.len_q - (m + 1) * kBlockM;
-      Tensor dst = make_tensor(make_smem_ptr(base + to * kQ), typename T::SmemLayoutQ{});
-      copy_tile(gload, gthr.partition_S(g(_, _, m + 1)), gthr.partition_D(dst), tQcQ, q_rows, cols,
-                q_rows >= kBlockM && cols == kHeadDim);
+      load_q(t, offset + int64_t{m + 1} * kBlockM * t.row_stride, q_rows, cols, to);
       cp_async_fence();
     };
     // One query tile; `masked`: whether it takes the mask, a bool or (T::kMaskLoopApart) a compile-time
@@ -241,8 +260,8 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
       cp_async_wait<0>();
       __syncthreads();  // Q[m], dO[m] have landed; the other buffers, sP and sdS are free
       if (kBufs == 2 && more) {
-        load_next(m, gQ, buf ^ 1, p.headdim);
-        load_next(m, gdO, kBufs + (buf ^ 1), p.headdim_v);
+        load_next(m, p.q, q_offset, buf ^ 1, p.headdim);
+        load_next(m, p.dout, dout_offset, kBufs + (buf ^ 1), p.headdim_v);
       }
 
       // Per-row lse (log2 units; +inf makes P = 0 for fully masked rows and rows past the end) and D.
@@ -296,7 +315,7 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
               thr_a_dkv, thr_b_dkv);
       if (kBufs == 1 && more) {
         __syncthreads();  // every warp is done with dO[m]
-        load_next(m, gdO, kBufs, p.headdim_v);
+        load_next(m, p.dout, dout_offset, kBufs, p.headdim_v);
       }
       // dQ before dK: its atomics then drain while the dK product keeps the tensor cores busy.
       CUTE_UNROLL
@@ -314,7 +333,7 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
               thr_a_dkv, thr_b_dkv);
       if (kBufs == 1 && more) {
         __syncthreads();  // every warp is done with Q[m]
-        load_next(m, gQ, 0, p.headdim);
+        load_next(m, p.q, q_offset, 0, p.headdim);
       }
     };
     if constexpr (T::kMaskLoopApart && !kShaped) {
@@ -355,13 +374,15 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
       __syncthreads();
       typename T::GmemStore gstore;
       auto sthr = gstore.get_thread_slice(tid);
-      Tensor gdK = local_tile(gmem(p.dk, seq.k_offset(p.dk, b, h), seq.len_k), TileN{}, make_coord(n_block, 0));
-      Tensor gdV = local_tile(gmem(p.dv, seq.k_offset(p.dv, b, h), seq.len_k), TileN{}, make_coord(n_block, 0));
+      Tensor gdK = local_tile(gmem_rows<Element, kHeadDim>(p.dk, seq.k_offset(p.dk, b, h), seq.len_k), TileN{},
+                              make_coord(n_block, 0));
+      Tensor gdV = local_tile(gmem_rows<Element, kHeadDim>(p.dv, seq.k_offset(p.dv, b, h), seq.len_k), TileN{},
+                              make_coord(n_block, 0));
       const int rows_out = seq.len_k_stored - n0;
       copy_rows<false>(gstore, sthr.partition_S(sdK), sthr.partition_D(gdK), tKcK, rows_out, p.headdim);
       copy_rows<false>(gstore, sthr.partition_S(sdV), sthr.partition_D(gdV), tKcK, rows_out, p.headdim_v);
     } else {
-      const int64_t row0 = h * p.k_rows + k_row0 + n0 + kv_coords.row_base;
+      const int64_t row0 = h * p.k_rows + seq.k_row0(p, b) + n0 + kv_coords.row_base;
       float* dk = p.dk_accum + row0 * kHeadDim + kv_coords.col_base;
       float* dv = p.dv_accum + row0 * kHeadDim + kv_coords.col_base;
       CUTE_UNROLL
@@ -491,15 +512,27 @@ __global__ void __launch_bounds__(256) dkv_reduce_kernel(const __grid_constant__
   }
 }
 
+// The grids of the backward's kernels (launch_backward_with; x = 0: nothing to launch): dsum_kernel's
+// (kRowsPerCta query rows per CTA), the main kernel's (a key tile per CTA, or deterministic, dq_splits CTAs per
+// (head, sequence)) and dq_kernel's (a query tile per CTA).
+template <class T>
+struct BwdGrids {
+  dim3 rows, main, dq;
+  explicit BwdGrids(BwdParams const& p)
+      : rows((p.seqlen_q + kRowsPerCta - 1) / kRowsPerCta, p.nheads, p.batch),
+        main(p.seqlen_k == 0 ? 0 : p.deterministic ? p.dq_splits : (p.seqlen_k + T::kBlockN - 1) / T::kBlockN,
+             p.nheads, p.batch),
+        dq((p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.nheads, p.batch) {}
+};
+
 // Runs the whole backward with one traits type and score kernel on `stream`; the workspace in p is laid out by
 // the caller (backend.cu) and needs no initialisation (dsum_kernel zeroes the dQ buffers).
 template <class T, bool kShaped>
 cudaError_t launch_backward_with(BwdParams const& p, cudaStream_t stream) {
   using Element = typename T::Element;
-  const dim3 rows_grid((p.seqlen_q + kRowsPerCta - 1) / kRowsPerCta, p.nheads, p.batch);
-  const int n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
-  if (rows_grid.x > 0) {
-    dsum_kernel<Element, T::kHeadDim><<<rows_grid, kDsumThreads, 0, stream>>>(p);
+  const BwdGrids<T> grids(p);
+  if (grids.rows.x > 0) {
+    dsum_kernel<Element, T::kHeadDim><<<grids.rows, kDsumThreads, 0, stream>>>(p);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
 
@@ -511,17 +544,15 @@ cudaError_t launch_backward_with(BwdParams const& p, cudaStream_t stream) {
       return e;
     }
   }
-  if (n_blocks > 0) {
-    const dim3 grid(p.deterministic ? p.dq_splits : n_blocks, p.nheads, p.batch);
-    kernel<<<grid, T::kThreads, kSmem, stream>>>(p);
+  if (grids.main.x > 0) {
+    kernel<<<grids.main, T::kThreads, kSmem, stream>>>(p);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
-  if (rows_grid.x > 0) {
-    const dim3 dq_grid((p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.nheads, p.batch);
-    dq_kernel<T><<<dq_grid, T::kThreads, 0, stream>>>(p);
+  if (grids.dq.x > 0) {
+    dq_kernel<T><<<grids.dq, T::kThreads, 0, stream>>>(p);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
-  if (p.nheads != p.nheads_k && n_blocks > 0) {
+  if (p.nheads != p.nheads_k && grids.main.x > 0) {
     const dim3 kv_grid((p.seqlen_k + kRowsPerCta - 1) / kRowsPerCta, p.nheads_k, p.batch);
     dkv_reduce_kernel<Element, T::kHeadDim><<<kv_grid, 256, 0, stream>>>(p);
   }
