@@ -168,7 +168,7 @@ def torch_inputs(impl, q, k, v, dout):
     """q, k, v, dout as (b, h, s, d) tensors in the memory order of torch backend `impl` (TORCH_LAYOUT), from
     flare's (b, s, h, d) tensors: views of them, or contiguous copies."""
     views = [x.transpose(1, 2) for x in (q, k, v, dout)]
-    return views if TORCH_LAYOUT[impl] == "bshd" else [x.contiguous() for x in views]
+    return views if TORCH_LAYOUT.get(impl, "bhsd") == "bshd" else [x.contiguous() for x in views]
 
 
 def synchronize():
