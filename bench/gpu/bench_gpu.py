@@ -64,7 +64,7 @@ MEMORY_IMPLS = ["flare", "torch-math", "torch-flash"]
 # FLASH_ATTENTION backward runs a copy kernel of 185-188 us per call at 16384 tokens x width 2048 (and a
 # dout in another order than its output costs another 93 us); from (b, s, h, d) storage, none. cuDNN is 1-2%
 # faster from (b, h, s, d) contiguous inputs.
-TORCH_LAYOUT = {"torch-flash": "bshd", "torch-cudnn": "bhsd", "torch-efficient": "bhsd"}
+TORCH_LAYOUT = {"torch-flash": "bshd", "torch-cudnn": "bhsd", "torch-efficient": "bhsd", "torch-math": "bhsd"}
 GATE_HEADS = 4  # the accuracy gate looks at one sequence and this many heads
 BF16_ULP_AT_1 = 2.0 ** -7
 
@@ -168,7 +168,7 @@ def torch_inputs(impl, q, k, v, dout):
     """q, k, v, dout as (b, h, s, d) tensors in the memory order of torch backend `impl` (TORCH_LAYOUT), from
     flare's (b, s, h, d) tensors: views of them, or contiguous copies."""
     views = [x.transpose(1, 2) for x in (q, k, v, dout)]
-    return views if TORCH_LAYOUT.get(impl, "bhsd") == "bshd" else [x.contiguous() for x in views]
+    return views if TORCH_LAYOUT[impl] == "bshd" else [x.contiguous() for x in views]
 
 
 def synchronize():

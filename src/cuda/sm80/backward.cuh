@@ -219,11 +219,12 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
     load_kv(p.k, seq.k_offset(p.k, b, hk) + int64_t{n0} * p.k.row_stride, seq.len_k - n0, p.headdim, k_base);
     load_kv(p.v, seq.k_offset(p.v, b, hk) + int64_t{n0} * p.v.row_stride, seq.len_k - n0, p.headdim_v,
             k_base + kKV);
+    const int64_t q_offset = seq.q_offset(p.q, b, h);
+    const int64_t dout_offset = seq.q_offset(p.dout, b, h);
     if (m_last > m_first) {
       const int q_rows = seq.len_q - m_first * kBlockM;
-      load_q(p.q, seq.q_offset(p.q, b, h) + int64_t{m_first} * kBlockM * p.q.row_stride, q_rows, p.headdim, 0);
-      load_q(p.dout, seq.q_offset(p.dout, b, h) + int64_t{m_first} * kBlockM * p.dout.row_stride, q_rows,
-             p.headdim_v, kBufs);
+      load_q(p.q, q_offset + int64_t{m_first} * kBlockM * p.q.row_stride, q_rows, p.headdim, 0);
+      load_q(p.dout, dout_offset + int64_t{m_first} * kBlockM * p.dout.row_stride, q_rows, p.headdim_v, kBufs);
     }
     cp_async_fence();
 
@@ -235,8 +236,6 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
     float* dq_accum = p.dq_accum +
                       ((static_cast<int64_t>(p.deterministic ? blockIdx.x : 0) * p.nheads + h) * p.q_rows + q_row0) *
                           kHeadDim;
-    const int64_t q_offset = seq.q_offset(p.q, b, h);
-    const int64_t dout_offset = seq.q_offset(p.dout, b, h);
     const Span seeing_all = shape.rows_seeing_all(n0, n0 + kBlockN);  // query tiles inside need no mask
 
     Tensor acc_dk = partition_fragment_C(mma_dkv, TileN{});
