@@ -161,7 +161,8 @@ void time_variant(const char* name, int headdim, int seqlen, bool causal, const 
 }
 
 // ---- the backward's passes one by one: dsum_kernel (with the dQ buffer's zeroing), the main kernel (no mask
-// transform), dq_kernel, and the whole backward (launch_backward_with), on the grids it launches them on.
+// transform), dq_kernel, and the whole backward (launch_backward_with), on the grids it launches them on; the
+// whole backward with its kernels launched chained (where the GPU allows it) and unchained.
 template <class T>
 void time_stages(const char* name, int seqlen, bool causal, const Buffers& bufs) {
   if (g_only != nullptr && std::strstr(name, g_only) == nullptr) return;
@@ -177,9 +178,10 @@ void time_stages(const char* name, int seqlen, bool causal, const Buffers& bufs)
   const double main = median_ms([&] { main_kernel<<<grids.main, T::kThreads, T::kSmemBytes>>>(b); }, 10);
   const double dq = median_ms([&] { dq_kernel<T><<<grids.dq, T::kThreads>>>(b); }, 10);
   const double total = median_ms([&] { launch_backward_with<T, false>(b, nullptr); }, 10);
-  std::printf("%-34s hd %3d seqlen %5d %-9s us: dsum %6.1f main %7.1f dq %6.1f total %7.1f%s\n", name, d, seqlen,
-              causal ? "causal" : "full", dsum * 1e3, main * 1e3, dq * 1e3, total * 1e3,
-              cudaDeviceSynchronize() == cudaSuccess ? "" : " CUDA ERROR");
+  const double unchained = median_ms([&] { launch_backward_with<T, false>(b, nullptr, false); }, 10);
+  std::printf("%-34s hd %3d seqlen %5d %-9s us: dsum %6.1f main %7.1f dq %6.1f total %7.1f unchained %7.1f%s\n",
+              name, d, seqlen, causal ? "causal" : "full", dsum * 1e3, main * 1e3, dq * 1e3, total * 1e3,
+              unchained * 1e3, cudaDeviceSynchronize() == cudaSuccess ? "" : " CUDA ERROR");
 }
 
 // ---- a check that two backward configurations agree: dK and dV bitwise (each CTA sums its query tiles in
@@ -282,6 +284,10 @@ int main(int argc, char** argv) {
       time_variant<FwdConfigOf<bf16, 64, FwdShape::kLong, SmemClass::kLarge>::Plain>("hd64 fwd long plain", 64,
                                                                                      seqlen, causal, bufs);
       time_variant<Shipped<bf16, 128>>("hd128 fwd shipped", 128, seqlen, causal, bufs);
+      // Its long shape's kernel with the mask alone (what the calls here run) with the prologue's copies
+      // issued after the set-up (FwdTraits::kEarlyCopies false).
+      time_variant<FwdTraits<bf16, 128, 128, 64, 4, true, true, false, false>>("hd128 fwd shipped late copies", 128,
+                                                                               seqlen, causal, bufs);
       time_variant<FwdConfig<bf16, 128, FwdShape::kShort>>("hd128 fwd short", 128, seqlen, causal, bufs);
       time_variant<FwdConfig<bf16, 128, FwdShape::kLong>>("hd128 fwd long", 128, seqlen, causal, bufs);
       time_variant<FwdConfigOf<bf16, 128, FwdShape::kLong, SmemClass::kLarge>::Plain>("hd128 fwd long plain", 128,

@@ -24,11 +24,12 @@ WIDTH = 2048
 LINE = re.compile(r"^(?P<name>.+?)\s+hd\s+(?P<hd>\d+) seqlen\s+(?P<seqlen>\d+) (?P<mask>full|causal)\s+"
                   r"fwd\s+(?P<fwd>\d+) TFLOP/s(?:\s+bwd\s+(?P<bwd>\d+) TFLOP/s)?\s*(?P<error>.*)$")
 
-# time_stages: the backward's passes one by one (microseconds). Two formats: this tool's, and that of
+# time_stages: the backward's passes one by one (microseconds; `total` with chained launches, `unchained`
+# without, where the line has it). Two formats: this tool's, and that of
 # b1a5893's tool, which also timed the passes before it ("memset A dsum B -> C ... dq D -> E total F -> G").
 STAGES = re.compile(r"^(?P<name>.+?)\s+hd\s+(?P<hd>\d+) seqlen\s+(?P<seqlen>\d+) (?P<mask>full|causal)\s+us: "
                     r"dsum\s+(?P<dsum>[\d.]+) main\s+(?P<main>[\d.]+) dq\s+(?P<dq>[\d.]+) "
-                    r"total\s+(?P<total>[\d.]+)(?P<error>.*)$")
+                    r"total\s+(?P<total>[\d.]+)(?: unchained\s+(?P<unchained>[\d.]+))?(?P<error>.*)$")
 STAGES_B1A5893 = re.compile(
     r"^(?P<name>.+?)\s+hd\s+(?P<hd>\d+) seqlen\s+(?P<seqlen>\d+) (?P<mask>full|causal)\s+us: "
     r"memset\s+(?P<memset>[\d.]+) dsum\s+(?P<dsum_before>[\d.]+) ->\s+(?P<dsum>[\d.]+) "
@@ -39,7 +40,7 @@ STAGES_B1A5893 = re.compile(
 CHECK = re.compile(r"^(?P<name>.+?)\s+hd\s+(?P<hd>\d+) seqlen\s+(?P<seqlen>\d+) (?P<mask>full|causal)\s+check: "
                    r"unwritten (?P<unwritten>\d+), dK/dV differing (?P<differ>\d+), dQ max diff (?P<diff>\S+) of "
                    r"(?P<most>\S+) (?P<verdict>OK|FAILED)$")
-STAGE_FIELDS = ("memset", "dsum_before", "dsum", "main", "dq_before", "dq", "total_before", "total")
+STAGE_FIELDS = ("memset", "dsum_before", "dsum", "main", "dq_before", "dq", "total_before", "total", "unchained")
 
 
 def parse(label, text):

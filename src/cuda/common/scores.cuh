@@ -87,19 +87,6 @@ struct ScoreShape {
     this->len_k = len_k;
   }
 
-  // Key tiles [n_first, n_last) hold every key that a query row of [m0, m1) sees.
-  __device__ __forceinline__ void key_tiles(int m0, int m1, int block_n, int& n_first, int& n_last) const {
-    const policy::KeyRange r = mask.keys_of_rows(m0, m1);
-    const int64_t first = r.first < 0 ? 0 : r.first;
-    const int64_t last = r.last;  // <= len_k - 1
-    if (last < first) {
-      n_first = n_last = 0;
-      return;
-    }
-    n_first = static_cast<int>(first / block_n);
-    n_last = static_cast<int>((last + block_n) / block_n);
-  }
-
   // The keys that every query row of [m0, m1) sees (rows past len_q count as seeing everything: their
   // results are discarded), for Span::covers of a key tile. Computed once per CTA: per tile it is then two
   // compares (the int64 window arithmetic per tile cost ~85 instructions per iteration).

@@ -15,12 +15,29 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 
 #include "cuda/common/scores.cuh"
 #include "cuda/sm80/configs.cuh"
 
 namespace flare::cuda::sm80 {
+
+// ---- programmatic dependent launch (sm_90+) -----------------------------------------------------------------
+// A kernel launched chained (launch_chained) may be scheduled once every CTA of the kernel before it has
+// called let_next_grid_start or exited; it must call wait_for_prior_grid, which returns once that kernel has
+// finished and its writes are visible, before it reads any of them. Both are no-ops in unchained launches and
+// in code compiled for older GPUs (which launch_backward_with never chains).
+__device__ __forceinline__ void wait_for_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void let_next_grid_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 
 // ---- 1. D = rowsum(dout * out); the dQ buffer zeroed ----------------------------------------------------
 // One CTA per kRowsPerCta query rows of a (head, batch). kLanes threads share a row, each reading 16 bytes of
@@ -36,6 +53,7 @@ __global__ void __launch_bounds__(kDsumThreads) dsum_kernel(const __grid_constan
   constexpr int kLanes = std::min(32, int(std::bit_ceil(unsigned(kHeadDim / kVec))));
   constexpr int kRowsPerStep = kDsumThreads / kLanes;
   static_assert(kLanes * kVec >= kHeadDim && kRowsPerCta % kRowsPerStep == 0);
+  let_next_grid_start();  // the main kernel's CTAs take SMs as these leave them, then wait for this grid
 
   const int64_t zero4 = int64_t{p.dq_splits} * p.nheads * p.q_rows * p.headdim_rounded / 4;
   const int64_t ctas = int64_t{gridDim.x} * gridDim.y * gridDim.z;
@@ -227,6 +245,8 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
       load_q(p.dout, dout_offset + int64_t{m_first} * kBlockM * p.dout.row_stride, q_rows, p.headdim_v, kBufs);
     }
     cp_async_fence();
+    // dsum_kernel's D and zeroed dQ buffer (the loads above read only the call's inputs).
+    wait_for_prior_grid();
 
     const ScoreShape shape(p, b, h, seq.len_q, seq.len_k);
     const float f = shape.log2_factor;
@@ -397,6 +417,7 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
 template <class T, bool kShaped>
 __global__ void __launch_bounds__(T::kThreads) backward_kernel(const __grid_constant__ BwdParams p) {
   if constexpr (body_here<T::kClass>()) {
+    let_next_grid_start();
     backward_body<T, kShaped>(p);
   } else {
     __trap();  // backend.cu never picks this class on the GPUs that run this cubin
@@ -425,6 +446,8 @@ __global__ void __launch_bounds__(T::kThreads) dq_kernel(const __grid_constant__
   const int h = blockIdx.y;
   const int b = blockIdx.z;
   const int tid = threadIdx.x;
+  let_next_grid_start();
+  wait_for_prior_grid();
   const Sequence seq(p, b);
   const int m0 = blockIdx.x * kBlockM;
   if (m0 >= seq.len_q) return;
@@ -487,6 +510,7 @@ __global__ void __launch_bounds__(T::kThreads) dq_kernel(const __grid_constant__
 // GQA/MQA: dk and dv of kv head hk = the sum over its query heads, in head order.
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(256) dkv_reduce_kernel(const __grid_constant__ BwdParams p) {
+  wait_for_prior_grid();
   const int hk = blockIdx.y;
   const int b = blockIdx.z;
   const Sequence seq(p, b);
@@ -524,12 +548,51 @@ struct BwdGrids {
         dq((p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.nheads, p.batch) {}
 };
 
+// Whether chained launches may run the backward's kernels of traits T on the current device: only where the
+// cubin it runs is sm_90+ code, whose kernels carry the waits (an sm_80 cubin on a Hopper GPU has none).
+// Looked up once per device.
+template <class T>
+bool chained_launch_allowed() {
+  constexpr int kDevices = 64;
+  static std::atomic<signed char> known[kDevices];  // 0 unknown, 1 no, 2 yes
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kDevices) return false;
+  signed char k = known[device].load(std::memory_order_relaxed);
+  if (k == 0) {
+    cudaFuncAttributes attr{};
+    k = cudaFuncGetAttributes(&attr, dq_kernel<T>) == cudaSuccess && attr.binaryVersion >= 90 ? 2 : 1;
+    known[device].store(k, std::memory_order_relaxed);
+  }
+  return k == 2;
+}
+
+// Launches `kernel` on `stream`, with programmatic dependent launch where `chained`: it may then start while
+// the stream's previous kernel drains (the kernel waits for it: wait_for_prior_grid).
+template <class Kernel>
+cudaError_t launch_chained(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream, bool chained,
+                           BwdParams const& p) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  config.attrs = &attr;
+  config.numAttrs = chained ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, p);
+}
+
 // Runs the whole backward with one traits type and score kernel on `stream`; the workspace in p is laid out by
-// the caller (backend.cu) and needs no initialisation (dsum_kernel zeroes the dQ buffers).
+// the caller (backend.cu) and needs no initialisation (dsum_kernel zeroes the dQ buffers). The kernels after
+// dsum_kernel are launched chained where the device allows it and `chain` (the variants tool times both):
+// each one's launch and first loads then overlap the previous one's last CTAs.
 template <class T, bool kShaped>
-cudaError_t launch_backward_with(BwdParams const& p, cudaStream_t stream) {
+cudaError_t launch_backward_with(BwdParams const& p, cudaStream_t stream, bool chain = true) {
   using Element = typename T::Element;
   const BwdGrids<T> grids(p);
+  const bool chained = chain && chained_launch_allowed<T>();
   if (grids.rows.x > 0) {
     dsum_kernel<Element, T::kHeadDim><<<grids.rows, kDsumThreads, 0, stream>>>(p);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
@@ -544,18 +607,24 @@ cudaError_t launch_backward_with(BwdParams const& p, cudaStream_t stream) {
     }
   }
   if (grids.main.x > 0) {
-    kernel<<<grids.main, T::kThreads, kSmem, stream>>>(p);
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+    if (cudaError_t e = launch_chained(kernel, grids.main, T::kThreads, kSmem, stream, chained, p); e != cudaSuccess) {
+      return e;
+    }
   }
   if (grids.dq.x > 0) {
-    dq_kernel<T><<<grids.dq, T::kThreads, 0, stream>>>(p);
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+    if (cudaError_t e = launch_chained(dq_kernel<T>, grids.dq, T::kThreads, 0, stream, chained, p);
+        e != cudaSuccess) {
+      return e;
+    }
   }
   if (p.nheads != p.nheads_k && grids.main.x > 0) {
     const dim3 kv_grid((p.seqlen_k + kRowsPerCta - 1) / kRowsPerCta, p.nheads_k, p.batch);
-    dkv_reduce_kernel<Element, T::kHeadDim><<<kv_grid, 256, 0, stream>>>(p);
+    if (cudaError_t e = launch_chained(dkv_reduce_kernel<Element, T::kHeadDim>, kv_grid, 256, 0, stream, chained, p);
+        e != cudaSuccess) {
+      return e;
+    }
   }
-  return cudaGetLastError();
+  return cudaSuccess;
 }
 
 // The backward of a call: traits T, or TShaped for calls with softcap or ALiBi (shaped_scores). Both must

@@ -11,6 +11,20 @@
 
 namespace flare::cuda::sm80 {
 
+// Key tiles [n_first, n_last) hold every key that a query row of [m0, m1) sees (empty when none does).
+__device__ __forceinline__ void key_tiles_of(policy::WindowMask const& mask, int m0, int m1, int block_n,
+                                             int& n_first, int& n_last) {
+  const policy::KeyRange r = mask.keys_of_rows(m0, m1);
+  const int64_t first = r.first < 0 ? 0 : r.first;
+  const int64_t last = r.last;  // <= len_k - 1
+  if (last < first) {
+    n_first = n_last = 0;
+    return;
+  }
+  n_first = static_cast<int>(first / block_n);
+  n_last = static_cast<int>((last + block_n) / block_n);
+}
+
 // T::kPlain: compiled with the mask alone, for calls without softcap and ALiBi; else with the score transform.
 // kWholeDims: for calls whose head dims fill the tile (T::kWholeDimsKernel), K and V tiles are copied without
 // column predicates; else whether they need them is a run-time test.
@@ -31,10 +45,9 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
   const int m0 = m_block * kBlockM;
   if (m0 >= seq.len_q) return;
   const int hk = h / (p.nheads / p.nheads_k);
-  const ScoreShape shape(p, b, h, seq.len_q, seq.len_k);
   int n_first, n_last;
-  shape.key_tiles(m0, min(m0 + kBlockM, seq.len_q), kBlockN, n_first, n_last);
-  const Span seen_by_all = shape.keys_seen_by_all(m0, m0 + kBlockM);  // key tiles inside need no mask
+  key_tiles_of(policy::WindowMask{seq.len_q, seq.len_k, p.window_left, p.window_right}, m0,
+               min(m0 + kBlockM, seq.len_q), kBlockN, n_first, n_last);
 
   // ---- global and shared views
   const auto gmem = [](Tensor3 const& t, int64_t offset, int rows) {
@@ -66,6 +79,28 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
   Tensor tVsV = gthr.partition_D(sV);
   Tensor tQcQ = gthr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKcK = gthr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  const int q_rows = seq.len_q - m0;
+  const bool k_dims_whole = kWholeDims || p.headdim == kHeadDim;
+  const bool v_dims_whole = kWholeDims || p.headdim_v == kHeadDim;
+
+  // ---- prologue: Q and the first (last) key tile; with T::kFirstVEarly its V too, in a copy group of its own
+  // (the first visit then waits for Q and K alone). Issued here (T::kEarlyCopies) or after the set-up below.
+  const auto prologue = [&]() __attribute__((always_inline)) {
+    copy_rows(gload, tQgQ, tQsQ, tQcQ, q_rows, p.headdim);
+    if (n_last > n_first) {
+      const int rows = seq.len_k - (n_last - 1) * kBlockN;
+      copy_tile(gload, tKgK(_, _, _, n_last - 1), tKsK, tKcK, rows, p.headdim, k_dims_whole && rows >= kBlockN);
+      if constexpr (T::kFirstVEarly) {
+        cp_async_fence();
+        copy_tile(gload, tVgV(_, _, _, n_last - 1), tVsV, tKcK, rows, p.headdim_v,
+                  v_dims_whole && rows >= kBlockN);
+      }
+    }
+    cp_async_fence();
+  };
+  if constexpr (T::kEarlyCopies) prologue();
+  const ScoreShape shape(p, b, h, seq.len_q, seq.len_k);
+  const Span seen_by_all = shape.keys_seen_by_all(m0, m0 + kBlockM);  // key tiles inside need no mask
 
   // ---- shared -> registers (ldmatrix) and the MMAs
   typename T::TiledMma mma;
@@ -102,23 +137,7 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
     row_sum[r] = 0.f;
   }
   const float f = shape.log2_factor;
-  const int q_rows = seq.len_q - m0;
-  const bool k_dims_whole = kWholeDims || p.headdim == kHeadDim;
-  const bool v_dims_whole = kWholeDims || p.headdim_v == kHeadDim;
-
-  // ---- prologue: Q and the first (last) key tile; with T::kFirstVEarly its V too, in a copy group of its own
-  // (the first visit then waits for Q and K alone)
-  copy_rows(gload, tQgQ, tQsQ, tQcQ, q_rows, p.headdim);
-  if (n_last > n_first) {
-    const int rows = seq.len_k - (n_last - 1) * kBlockN;
-    copy_tile(gload, tKgK(_, _, _, n_last - 1), tKsK, tKcK, rows, p.headdim, k_dims_whole && rows >= kBlockN);
-    if constexpr (T::kFirstVEarly) {
-      cp_async_fence();
-      copy_tile(gload, tVgV(_, _, _, n_last - 1), tVsV, tKcK, rows, p.headdim_v,
-                v_dims_whole && rows >= kBlockN);
-    }
-  }
-  cp_async_fence();
+  if constexpr (!T::kEarlyCopies) prologue();
 
   // One key tile; `masked`: whether it takes the mask, a bool or (T::kMaskLoopApart) a compile-time constant.
   // Always inlined: called from up to three loops, a call would take the accumulators it captures by reference

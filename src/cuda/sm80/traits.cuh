@@ -62,14 +62,19 @@ struct GmemCopy {
 // kSkipSettledRescale: the output rescale is skipped while no row of a warp moved its maximum (forward.cuh).
 // It keeps a correction per row live across a branch: with score and output accumulators of 192 registers
 // per thread (head dim 64, 128-key tiles) that made ptxas spill 13 KB per thread, hence the default.
+// kEarlyCopies: the prologue's copies (Q, the first key tile) are issued before the score shape and the MMA
+// set-up are computed, which then run while they land; else after them. Head dim 128: 0-2% faster on 11 of
+// 12 lengths and masks (gpu-tuning-2026-12-02-7.json); at head dims 64 and 256 mixed or up to 5% slower.
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, bool kMaskLoopApart_ = false,
           bool kPlain_ = false,
-          bool kSkipSettledRescale_ = kBlockM_ * (kBlockN_ + kHeadDim_) / (32 * kWarps_) <= 160>
+          bool kSkipSettledRescale_ = kBlockM_ * (kBlockN_ + kHeadDim_) / (32 * kWarps_) <= 160,
+          bool kEarlyCopies_ = kHeadDim_ == 128>
 struct FwdTraits {
   using Element = Element_;
   static constexpr bool kMaskLoopApart = kMaskLoopApart_;
   static constexpr bool kPlain = kPlain_;
   static constexpr bool kSkipSettledRescale = kSkipSettledRescale_;
+  static constexpr bool kEarlyCopies = kEarlyCopies_;
   // Whether calls whose head dims fill the tile get a kernel of their own, with no column predicates on the K
   // and V copies (forward.cuh). Above head dim 128 ptxas schedules the loop with both copy paths 2-6% slower
   // (head dim 256: gpu-tuning-2026-12-02-3.json); at 64 and 128 the twin timed within noise, so those
