@@ -91,6 +91,9 @@ def train_run(transformers, config, impl, context, batch, batches, init_state, a
         model = make_model(transformers, config, impl, device, init_state)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                                 fused=cuda)
+        # Linear warm-up of the learning rate: without it AdamW's first steps (each parameter moved by ~lr)
+        # threw the loss above its starting value, and the runs' bf16 rounding differences grew into spikes.
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / max(1, args.lr_warmup)))
         for step, ids in enumerate(batches):
             ids = ids.to(device)
             if cuda:
@@ -100,6 +103,7 @@ def train_run(transformers, config, impl, context, batch, batches, init_state, a
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
+            sched.step()
             opt.zero_grad(set_to_none=True)
             losses.append(round(loss.item(), 5))  # .item() waits for the step
             step_ms.append(round((time.perf_counter() - start) * 1e3, 3))
@@ -155,7 +159,8 @@ def parse_args():
     p.add_argument("--impls", nargs="+", default=IMPLS, choices=IMPLS)
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the median step time")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--lr-warmup", type=int, default=10, help="steps of linear learning-rate warm-up")
     p.add_argument("--layers", type=int, help="override the number of layers")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -194,7 +199,8 @@ def main():
             **run_meta.device_meta(torch), **run_meta.flare_meta(), "transformers": transformers.__version__,
             "model": {"class": "LlamaForCausalLM", "parameters": n_params, **spec},
             "training": {"dtype": "bf16 weights, gradients and AdamW states", "optimizer": "AdamW(betas=(0.9, 0.95), "
-                         f"weight_decay=0.1, lr={args.lr}), grad-norm clip 1.0", "steps": args.steps,
+                         f"weight_decay=0.1, lr={args.lr}, linear warm-up over {args.lr_warmup} steps), "
+                         "grad-norm clip 1.0", "steps": args.steps,
                          "warmup_steps_excluded": args.warmup, "seed": args.seed},
             "data": "synthetic: per sequence, a segment of 16..512 uniform random tokens repeated to the context",
             "peak_mib": "torch.cuda.max_memory_allocated over the run (weights, gradients, optimizer, activations)",
