@@ -140,6 +140,16 @@ struct OneLoopOf<BwdTraits<E, d, m, n, w, a, b, c, dbl, k, dq, apart>> {
 template <class T>
 using OneLoop = typename OneLoopOf<T>::type;
 
+// A forward traits type with the prologue's copies issued after the set-up (FwdTraits::kEarlyCopies false).
+template <class T>
+struct LateCopiesOf;
+template <class E, int d, int m, int n, int w, bool apart, bool plain, bool skip, bool early>
+struct LateCopiesOf<FwdTraits<E, d, m, n, w, apart, plain, skip, early>> {
+  using type = FwdTraits<E, d, m, n, w, apart, plain, skip, false>;
+};
+template <class T>
+using LateCopies = typename LateCopiesOf<T>::type;
+
 // The variants to run: those whose name contains this text (argv[1]); all when null.
 const char* g_only = nullptr;
 
@@ -218,7 +228,7 @@ bool same_backward(const char* name, int seqlen, bool causal, const Buffers& buf
   };
   size_t unwritten = 0, dkv_differ = 0;
   double dq_diff = 0, dq_max = 0;
-  const size_t used = size_t{b.batch} * seqlen * kWidth;  // 1000 does not divide the tokens
+  const size_t used = static_cast<size_t>(b.batch) * seqlen * kWidth;  // 1000 does not divide the tokens
   for (int g = 0; g < 3; ++g) {
     for (size_t i = 0; i < used; ++i) {
       const float x = value(out[0][g][i]), y = value(out[1][g][i]);
@@ -270,7 +280,7 @@ int main(int argc, char** argv) {
     }
   }
   for (bool causal : {false, true}) {
-    for (int seqlen : {512, 1024, 2048, 4096}) {
+    for (int seqlen : {512, 1024, 2048, 4096, 8192, 16384}) {
       time_stages<BwdConfig<bf16, 64>>("hd64 bwd stages", seqlen, causal, bufs);
       time_stages<BwdConfig<bf16, 128>>("hd128 bwd stages", seqlen, causal, bufs);
       time_stages<BwdConfig<bf16, 256>>("hd256 bwd stages", seqlen, causal, bufs);
@@ -286,8 +296,8 @@ int main(int argc, char** argv) {
       time_variant<Shipped<bf16, 128>>("hd128 fwd shipped", 128, seqlen, causal, bufs);
       // Its long shape's kernel with the mask alone (what the calls here run) with the prologue's copies
       // issued after the set-up (FwdTraits::kEarlyCopies false).
-      time_variant<FwdTraits<bf16, 128, 128, 64, 4, true, true, false, false>>("hd128 fwd shipped late copies", 128,
-                                                                               seqlen, causal, bufs);
+      time_variant<LateCopies<FwdConfigOf<bf16, 128, FwdShape::kLong, SmemClass::kLarge>::Plain>>(
+          "hd128 fwd shipped late copies", 128, seqlen, causal, bufs);
       time_variant<FwdConfig<bf16, 128, FwdShape::kShort>>("hd128 fwd short", 128, seqlen, causal, bufs);
       time_variant<FwdConfig<bf16, 128, FwdShape::kLong>>("hd128 fwd long", 128, seqlen, causal, bufs);
       time_variant<FwdConfigOf<bf16, 128, FwdShape::kLong, SmemClass::kLarge>::Plain>("hd128 fwd long plain", 128,

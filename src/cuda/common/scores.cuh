@@ -73,6 +73,7 @@ struct ScoreShape {
   int hi_diag = INT32_MAX;
   int len_k = 0;
 
+  ScoreShape() = default;  // for a kernel that builds its shape later (forward_kernel)
   __device__ __forceinline__ ScoreShape(AttnParams const& p, int b, int h, int len_q, int len_k) {
     mask = policy::WindowMask{len_q, len_k, p.window_left, p.window_right};
     scale = p.scale;

@@ -45,9 +45,20 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
   const int m0 = m_block * kBlockM;
   if (m0 >= seq.len_q) return;
   const int hk = h / (p.nheads / p.nheads_k);
+  // The score shape and the key tiles this query tile sees: built here, or with T::kEarlyCopies after the
+  // prologue's copies are issued (the key tiles, which the copies need, from the mask alone). Built later for
+  // every kernel, head dim 256 ran 2-4% slower (bench/results/gpu-tuning-2026-12-02-8.json).
+  ScoreShape shape;
+  Span seen_by_all = Span::none();  // key tiles inside need no mask
   int n_first, n_last;
-  key_tiles_of(policy::WindowMask{seq.len_q, seq.len_k, p.window_left, p.window_right}, m0,
-               min(m0 + kBlockM, seq.len_q), kBlockN, n_first, n_last);
+  if constexpr (T::kEarlyCopies) {
+    key_tiles_of(policy::WindowMask{seq.len_q, seq.len_k, p.window_left, p.window_right}, m0,
+                 min(m0 + kBlockM, seq.len_q), kBlockN, n_first, n_last);
+  } else {
+    shape = ScoreShape(p, b, h, seq.len_q, seq.len_k);
+    key_tiles_of(shape.mask, m0, min(m0 + kBlockM, seq.len_q), kBlockN, n_first, n_last);
+    seen_by_all = shape.keys_seen_by_all(m0, m0 + kBlockM);
+  }
 
   // ---- global and shared views
   const auto gmem = [](Tensor3 const& t, int64_t offset, int rows) {
@@ -98,9 +109,11 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
     }
     cp_async_fence();
   };
-  if constexpr (T::kEarlyCopies) prologue();
-  const ScoreShape shape(p, b, h, seq.len_q, seq.len_k);
-  const Span seen_by_all = shape.keys_seen_by_all(m0, m0 + kBlockM);  // key tiles inside need no mask
+  if constexpr (T::kEarlyCopies) {
+    prologue();
+    shape = ScoreShape(p, b, h, seq.len_q, seq.len_k);
+    seen_by_all = shape.keys_seen_by_all(m0, m0 + kBlockM);
+  }
 
   // ---- shared -> registers (ldmatrix) and the MMAs
   typename T::TiledMma mma;
