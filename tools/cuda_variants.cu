@@ -150,6 +150,12 @@ struct LateCopiesOf<FwdTraits<E, d, m, n, w, apart, plain, skip, early>> {
 template <class T>
 using LateCopies = typename LateCopiesOf<T>::type;
 
+// A backward configuration compiled for kMin CTAs per SM (__launch_bounds__ min blocks: registers capped).
+template <class T, int kMin>
+struct MinBlocks : T {
+  static constexpr int kMinBlocks = kMin;
+};
+
 // The variants to run: those whose name contains this text (argv[1]); all when null.
 const char* g_only = nullptr;
 
@@ -277,6 +283,18 @@ int main(int argc, char** argv) {
                                                                                seqlen, causal, bufs);
       same &= same_backward<BwdConfig<bf16, 256>, OneLoop<BwdConfig<bf16, 256>>>("hd256 bwd check one loop",
                                                                                seqlen, causal, bufs);
+    }
+  }
+  for (bool causal : {false, true}) {
+    for (int seqlen : {512, 1024, 2048}) {
+      // Head dim 64 at short lengths: smaller tiles, and two CTAs per SM (registers capped at 128).
+      time_variant<Shipped<bf16, 64>, BwdConfig<bf16, 64>>("hd64 bwdx shipped", 64, seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 64>, BwdTraits<bf16, 64, 128, 64, 8, 4, 4, 4>>("hd64 bwdx n64", 64, seqlen,
+                                                                                causal, bufs);
+      time_variant<Shipped<bf16, 64>, MinBlocks<BwdTraits<bf16, 64, 128, 64, 8, 4, 4, 4>, 2>>(
+          "hd64 bwdx n64 2/SM", 64, seqlen, causal, bufs);
+      time_variant<Shipped<bf16, 64>, MinBlocks<BwdTraits<bf16, 64, 64, 128, 8, 2, 4, 4>, 2>>(
+          "hd64 bwdx m64 2/SM", 64, seqlen, causal, bufs);
     }
   }
   for (bool causal : {false, true}) {

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <type_traits>
 
 #include "cuda/common/scores.cuh"
 #include "cuda/sm80/configs.cuh"
@@ -414,8 +415,18 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
   }
 }
 
+// CTAs per SM the main kernel is compiled for: T::kMinBlocks where T has one (a tuning variant), else 1.
+template <class T, class = void>
+struct MinBlocksOf {
+  static constexpr int value = 1;
+};
+template <class T>
+struct MinBlocksOf<T, std::void_t<decltype(T::kMinBlocks)>> {
+  static constexpr int value = T::kMinBlocks;
+};
+
 template <class T, bool kShaped>
-__global__ void __launch_bounds__(T::kThreads) backward_kernel(const __grid_constant__ BwdParams p) {
+__global__ void __launch_bounds__(T::kThreads, MinBlocksOf<T>::value) backward_kernel(const __grid_constant__ BwdParams p) {
   if constexpr (body_here<T::kClass>()) {
     let_next_grid_start();
     backward_body<T, kShaped>(p);

@@ -1,0 +1,62 @@
+"""flare.distributed ring attention on CUDA tensors: 3 processes (and a 2-rank subgroup) on one GPU, every
+feature, forward and backward against single-process flare on the GPU and the fp64 result; and one rank
+over NCCL with the real transport. ring_cuda_workers.py says how the ranks share the GPU. With --device cpu
+the staged-ring cases run on the CPU backend (a check of the harness); the NCCL ones need CUDA."""
+
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+
+import ring_cuda_workers as workers
+
+DEVICE = os.environ.get("FLARE_TEST_DEVICE", "cuda")
+_RUN = {}
+
+
+def _spawn(fn, nprocs):
+    """Run fn in nprocs processes; {"<ring size>/<case>": None or traceback}, merged over the ranks."""
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(fn, args=(os.path.join(d, "store"), d, DEVICE), nprocs=nprocs)
+        records = {}
+        for rank in range(nprocs):
+            with open(os.path.join(d, f"rank{rank}.json")) as f:
+                for name, error in json.load(f).items():
+                    if error is not None:
+                        records[name] = f"rank {rank}: {error}"
+                    else:
+                        records.setdefault(name, None)
+    return records
+
+
+def _records(key, fn, nprocs):
+    if key not in _RUN:
+        try:
+            _RUN[key] = _spawn(fn, nprocs)
+        except Exception as e:  # noqa: BLE001 - every test of the run reports it
+            _RUN[key] = e
+    return _RUN[key]
+
+
+def _check(records, name):
+    if isinstance(records, Exception):
+        pytest.fail(f"the ring processes failed: {records!r}")
+    assert name in records, f"no record for {name}: the run stopped before it"
+    if records[name] is not None:
+        pytest.fail(records[name], pytrace=False)
+
+
+@pytest.mark.parametrize("world,case", workers.plan(), ids=[f"{w}ranks-{c}" for w, c in workers.plan()])
+def test_ring_cuda(world, case):
+    _check(_records("staged", workers.run, workers.WORLD), f"{world}/{case}")
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="NCCL moves CUDA tensors: the GPU run only")
+@pytest.mark.parametrize("name", ["causal_bf16_gqa_hd128", "varlen_causal_bf16_gqa", "nccl_refuses_cpu"])
+def test_ring_nccl_one_rank(name):
+    if not torch.distributed.is_nccl_available():
+        pytest.fail("this torch has no NCCL")
+    _check(_records("nccl", workers.run_nccl_single, 1), f"1/{name}")
