@@ -287,7 +287,9 @@ int main(int argc, char** argv) {
   }
   for (bool causal : {false, true}) {
     for (int seqlen : {512, 1024, 2048}) {
-      // Head dim 64 at short lengths: smaller tiles, and two CTAs per SM (registers capped at 128).
+      // Head dim 64 at short lengths: smaller tiles, and two CTAs per SM (registers capped at 128). Each timed
+      // 9-18% slower than the shipped 128 x 128 tiles (bench/results/gpu-tuning-2026-12-03.json); a persistent
+      // main kernel, level at best (-2.json).
       time_variant<Shipped<bf16, 64>, BwdConfig<bf16, 64>>("hd64 bwdx shipped", 64, seqlen, causal, bufs);
       time_variant<Shipped<bf16, 64>, BwdTraits<bf16, 64, 128, 64, 8, 4, 4, 4>>("hd64 bwdx n64", 64, seqlen,
                                                                                 causal, bufs);
