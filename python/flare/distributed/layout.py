@@ -155,8 +155,8 @@ class VarlenGeometry(_Geometry):
 
     def _packed_call(self, q, k, v, window):
         cu, m, o = self.cu_chunks, self.max_chunk, self.opts
-        return ops.fwd(q, k, v, cu, cu, None, m, m, None, o.softmax_scale, False, window[0], window[1],
-                       o.softcap, o.deterministic)
+        return ops.fwd_eager(q, k, v, cu, cu, None, m, m, None, o.softmax_scale, False, window[0], window[1],
+                             o.softcap, o.deterministic)
 
     def _tasks(self, src, slopes):
         opts = self.opts
@@ -187,9 +187,9 @@ class VarlenGeometry(_Geometry):
             return super().backward_block(dout, q, k, v, out, lse, src, dq_acc, dk_acc, dv_acc, slopes)
         cu, m, o = self.cu_chunks, self.max_chunk, self.opts
         for qs, ks, window in self._packed_pairs(src):
-            dq, dk, dv = ops.bwd(dout[0, qs], q[0, qs], k[0, ks], v[0, ks], out[0, qs], lse[0, :, qs], cu, cu,
-                                 None, m, m, None, o.softmax_scale, False, window[0], window[1], o.softcap,
-                                 o.deterministic)
+            dq, dk, dv = ops.bwd_eager(dout[0, qs], q[0, qs], k[0, ks], v[0, ks], out[0, qs], lse[0, :, qs], cu,
+                                       cu, None, m, m, None, o.softmax_scale, False, window[0], window[1],
+                                       o.softcap, o.deterministic)
             dq_acc[0, qs] += dq
             dk_acc[0, ks] += dk
             dv_acc[0, ks] += dv
