@@ -9,7 +9,8 @@ dK/dV travelling the ring. NCCL's own transport needs the 2-GPU machine; this ch
 Cases reuse the CPU suite's machinery (tests/python/ring_workers.py) at GPU sizes: chunks of 37-129 tokens,
 head dims 64/128, bf16 and fp16, against single-process flare on the GPU and the fp64 CPU result, by the
 CPU suite's bf16 rule. Every case runs on the whole world (3 ranks) and on a 2-rank subgroup; records are
-written per rank as in the CPU suite. run_nccl_single checks the real Ring over NCCL with one rank."""
+written per rank as in the CPU suite. run_nccl_single checks the real Ring over NCCL with one rank; on a
+machine with 2-4 GPUs, run_nccl runs every case with one rank per GPU over NCCL, transport included."""
 
 import datetime
 import json
@@ -96,7 +97,7 @@ def run_case(case, where, device="cuda"):
     single = _single(case, *cast, slopes_dev, cu_dev)
     ring = _ring(case, *cast, slopes_dev, cu, where)
     for name, t in zip(("out", "lse", "dq", "dk", "dv"), ring):
-        assert t.device.type == torch.device(device).type, f"{name} came back on {t.device}"
+        assert t.device == cast[0].device, f"{name} came back on {t.device}, the inputs are on {cast[0].device}"
         assert torch.isfinite(t).all(), f"ring {name} has non-finite values"
     if cu is None:
         rows = lambda t: shard_sequence(t, **where.split, zigzag=case.zigzag)              # noqa: E731
@@ -174,3 +175,30 @@ def run_nccl_single(rank, store, result_dir, device="cuda"):
             json.dump(records, f)
         dist.destroy_process_group()
 
+
+
+def nccl_world():
+    """Ranks of the multi-GPU NCCL run: one per GPU, at most 4 (0 or 1 GPU: none)."""
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return min(n, 4) if n >= 2 else 0
+
+
+def run_nccl(rank, store, result_dir, device="cuda"):
+    """One rank per GPU over NCCL with the real Ring (its transport included): every case on the whole world."""
+    world = nccl_world()
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120), device_id=torch.device("cuda", rank))
+    records = {}
+    try:
+        for case in CASES:
+            try:
+                run_case(case, Where(None, world, rank), f"cuda:{rank}")
+                records[f"{world}/{case.name}"] = None
+            except Exception:  # noqa: BLE001
+                records[f"{world}/{case.name}"] = traceback.format_exc(limit=8)
+            dist.barrier()
+    finally:
+        with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(records, f)
+        dist.destroy_process_group()

@@ -1,7 +1,8 @@
 """flare.distributed ring attention on CUDA tensors: 3 processes (and a 2-rank subgroup) on one GPU, every
 feature, forward and backward against single-process flare on the GPU and the fp64 result; and one rank
-over NCCL with the real transport. ring_cuda_workers.py says how the ranks share the GPU. With --device cpu
-the staged-ring cases run on the CPU backend (a check of the harness); the NCCL ones need CUDA."""
+over NCCL with the real transport; with 2-4 GPUs, every case with one rank per GPU over NCCL.
+ring_cuda_workers.py says how the ranks share the GPU. With --device cpu the staged-ring cases run on the
+CPU backend (a check of the harness); the NCCL ones need CUDA."""
 
 import json
 import os
@@ -60,3 +61,13 @@ def test_ring_nccl_one_rank(name):
     if not torch.distributed.is_nccl_available():
         pytest.fail("this torch has no NCCL")
     _check(_records("nccl", workers.run_nccl_single, 1), f"1/{name}")
+
+
+_NCCL_WORLD = workers.nccl_world() if DEVICE == "cuda" else 0
+
+
+@pytest.mark.skipif(_NCCL_WORLD < 2, reason="NCCL between GPUs needs 2 or more GPUs (run on the 2-GPU machine)")
+@pytest.mark.parametrize("case", [c.name for c in workers.CASES])
+def test_ring_nccl_gpus(case):
+    """Every case with one rank per GPU over NCCL: the real transport on NCCL's stream."""
+    _check(_records("nccl-gpus", workers.run_nccl, _NCCL_WORLD), f"{_NCCL_WORLD}/{case}")
