@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO / "python"))
 
 from flops import attention_flops  # noqa: E402
 import meta as run_meta  # noqa: E402
-from ring_compute import NullRing, passes  # noqa: E402
+from ring_compute import NullRing, add_shape_args, passes, sync, time_ms  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -47,34 +47,22 @@ def parse_args(argv=None):
     p.add_argument("--gpus", type=int, default=0, help="processes / GPUs (default: every GPU of the machine)")
     p.add_argument("--totals", type=int, nargs="+", default=[32768, 65536, 131072, 262144, 524288, 1048576],
                    help="global sequence lengths N")
-    p.add_argument("--headdim", type=int, default=128)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--causals", type=int, nargs="+", default=[1, 0], help="1: causal (zigzag), 0: full")
-    p.add_argument("--reps", type=int, default=3)
     p.add_argument("--single-max", type=int, default=524288,
                    help="longest N timed on one GPU for the reference (its time grows as N^2)")
-    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    p.add_argument("--budget-s", type=float, default=480.0,
-                   help="stop starting new shapes after this many seconds (the rows so far are written)")
-    p.add_argument("--out", type=Path, default=None, help="directory for the JSON (default bench/results)")
+    add_shape_args(p)
     return p.parse_args(argv)
-
-
-def _sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def timed(fn, reps, device):
     """Median over reps of the slowest rank's wall time of fn() in ms, each run between barriers."""
     fn()
-    _sync(device)
+    sync(device)
     times = []
     for _ in range(reps):
         dist.barrier()
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         ms = torch.tensor([(time.perf_counter() - t0) * 1e3], dtype=torch.float64)
         dist.all_reduce(ms, op=dist.ReduceOp.MAX)
         times.append(ms.item())
@@ -128,16 +116,7 @@ def worker(rank, world, store, args, result_path):
                         qs, ks, vs = (torch.randn(1, total, args.heads, args.headdim, device=dev,
                                                   dtype=torch.bfloat16) for _ in range(3))
                         alone = passes(lambda a, b, c: flash_attn_func(a, b, c, causal=causal), qs, ks, vs)
-                        for p, fn in alone.items():
-                            fn()
-                            _sync(device)
-                            runs = []
-                            for _ in range(args.reps):
-                                t0 = time.perf_counter()
-                                fn()
-                                _sync(device)
-                                runs.append((time.perf_counter() - t0) * 1e3)
-                            single_ms[p] = statistics.median(runs)
+                        single_ms = {p: time_ms(fn, args.reps, device) for p, fn in alone.items()}
                         del qs, ks, vs
                     dist.barrier()
                 if device == "cuda":

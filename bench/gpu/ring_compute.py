@@ -61,11 +61,8 @@ class NullRing:
         return _Handed([t.contiguous() for t in tensors])
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--totals", type=int, nargs="+", default=[32768, 65536, 131072, 262144],
-                   help="global sequence lengths N")
-    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8], help="ring sizes W")
+def add_shape_args(p):
+    """The options ring_compute.py and ring_bench.py share: shapes, repetitions, device, budget, output."""
     p.add_argument("--headdim", type=int, default=128)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--causals", type=int, nargs="+", default=[1, 0], help="1: causal (zigzag), 0: full")
@@ -74,10 +71,18 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="stop starting new shapes after this many seconds (the rows so far are written)")
     p.add_argument("--out", type=Path, default=None, help="directory for the JSON (default bench/results)")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--totals", type=int, nargs="+", default=[32768, 65536, 131072, 262144],
+                   help="global sequence lengths N")
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8], help="ring sizes W")
+    add_shape_args(p)
     return p.parse_args(argv)
 
 
-def _sync(device):
+def sync(device):
     if device == "cuda":
         torch.cuda.synchronize()
 
@@ -85,7 +90,7 @@ def _sync(device):
 def time_ms(fn, reps, device):
     """Median wall time of fn() in ms after one warm-up call (CUDA events on the GPU)."""
     fn()
-    _sync(device)
+    sync(device)
     times = []
     for _ in range(reps):
         if device == "cuda":

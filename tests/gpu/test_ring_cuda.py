@@ -4,7 +4,6 @@ over NCCL with the real transport; with 2-4 GPUs, every case with one rank per G
 ring_cuda_workers.py says how the ranks share the GPU. With --device cpu the staged-ring cases run on the
 CPU backend (a check of the harness); the NCCL ones need CUDA."""
 
-import json
 import os
 import tempfile
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 import ring_cuda_workers as workers
+from ring_workers import read_records
 
 DEVICE = os.environ.get("FLARE_TEST_DEVICE", "cuda")
 _RUN = {}
@@ -22,15 +22,7 @@ def _spawn(fn, nprocs):
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(fn, args=(os.path.join(d, "store"), d, DEVICE), nprocs=nprocs)
-        records = {}
-        for rank in range(nprocs):
-            with open(os.path.join(d, f"rank{rank}.json")) as f:
-                for name, error in json.load(f).items():
-                    if error is not None:
-                        records[name] = f"rank {rank}: {error}"
-                    else:
-                        records.setdefault(name, None)
-    return records
+        return read_records(d, nprocs)
 
 
 def _records(key, fn, nprocs):

@@ -318,6 +318,21 @@ def check_transformers_packed(where):
 # ---- the worker ---------------------------------------------------------------------------------------
 
 
+def read_records(result_dir, nprocs):
+    """The ranks' records (rank<r>.json in result_dir) merged: {"<ring size>/<check>": None where it passed
+    on every rank that ran it, else a failing rank's traceback}."""
+    records = {}
+    for rank in range(nprocs):
+        with open(os.path.join(result_dir, f"rank{rank}.json")) as f:
+            for name, error in json.load(f).items():
+                if error is not None:
+                    records[name] = f"rank {rank}: {error}"
+                else:
+                    records.setdefault(name, None)
+    return records
+
+
+
 def _run_all(where, names, records):
     for name in names:
         try:

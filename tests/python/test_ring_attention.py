@@ -7,7 +7,6 @@ One spawn of ring_workers.WORLD processes runs every check, on the whole world a
 planner, the heart of the mask geometry, is also checked in-process against brute force."""
 
 import itertools
-import json
 import os
 import tempfile
 
@@ -29,14 +28,7 @@ def _records():
         try:
             with tempfile.TemporaryDirectory() as d:
                 mp.spawn(ring_workers.run, args=(os.path.join(d, "store"), d), nprocs=ring_workers.WORLD)
-                records = {}
-                for rank in range(ring_workers.WORLD):
-                    with open(os.path.join(d, f"rank{rank}.json")) as f:
-                        for name, error in json.load(f).items():
-                            if error is not None:
-                                records[name] = f"rank {rank}: {error}"
-                            else:
-                                records.setdefault(name, None)
+                records = ring_workers.read_records(d, ring_workers.WORLD)
             _RUN["records"] = records
         except Exception as e:  # noqa: BLE001 - every test reports the failed run
             _RUN["records"] = e
