@@ -53,8 +53,9 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def timed(fn, reps, device):
-    """Median over reps of the slowest rank's wall time of fn() in ms, each run between barriers."""
+def timed(fn, reps, device, dev):
+    """Median over reps of the slowest rank's wall time of fn() in ms, each run between barriers. dev: where
+    the collectives' tensors live (NCCL takes CUDA tensors only)."""
     fn()
     sync(device)
     times = []
@@ -63,7 +64,7 @@ def timed(fn, reps, device):
         t0 = time.perf_counter()
         fn()
         sync(device)
-        ms = torch.tensor([(time.perf_counter() - t0) * 1e3], dtype=torch.float64)
+        ms = torch.tensor([(time.perf_counter() - t0) * 1e3], dtype=torch.float64, device=dev)
         dist.all_reduce(ms, op=dist.ReduceOp.MAX)
         times.append(ms.item())
     return statistics.median(times)
@@ -90,7 +91,7 @@ def worker(rank, world, store, args, result_path):
     try:
         for causal in (bool(c) for c in args.causals):
             for total in args.totals:
-                go = torch.tensor([time.monotonic() - started < args.budget_s], dtype=torch.int32)
+                go = torch.tensor([time.monotonic() - started < args.budget_s], dtype=torch.int32, device=dev)
                 dist.broadcast(go, 0)  # every rank stops at the same shape
                 if not go.item():
                     notes.append(f"budget spent: N={total} causal={causal} not run")
@@ -103,10 +104,10 @@ def worker(rank, world, store, args, result_path):
                 q, k, v = (torch.randn(1, local, args.heads, args.headdim, device=dev, dtype=torch.bfloat16)
                            for _ in range(3))
                 attend = lambda a, b, c: ring_module.ring_attention(a, b, c, causal=causal, zigzag=causal)  # noqa
-                total_ms = {p: timed(fn, args.reps, device) for p, fn in passes(attend, q, k, v).items()}
+                total_ms = {p: timed(fn, args.reps, device, dev) for p, fn in passes(attend, q, k, v).items()}
                 ring_module.Ring = lambda group=None: NullRing(world, rank, backend)
                 try:
-                    compute_ms = {p: timed(fn, args.reps, device) for p, fn in passes(attend, q, k, v).items()}
+                    compute_ms = {p: timed(fn, args.reps, device, dev) for p, fn in passes(attend, q, k, v).items()}
                 finally:
                     ring_module.Ring = Ring
                 del q, k, v
