@@ -65,7 +65,7 @@ def _exec_options(ref: Tensor):
 
 
 def _run(ref: Tensor, entry, workspace_size, p):
-    """Calls entry(p) for tensors on ref's device. On CUDA the call runs with ref's device current (so a
+    """Calls entry(p) for tensors on ref's device, with p.exec set for it (_exec_options). On CUDA the call runs with ref's device current (so a
     tensor on cuda:1 works whatever the current device is) and its scratch is a workspace from torch's
     caching allocator, sized by flare's query: flare then allocates nothing itself, which keeps the call
     capturable in a CUDA graph and its memory visible to torch. The workspace is released when this returns;
@@ -259,7 +259,6 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optional[Ten
     p.num_splits = num_splits
     p.out, p.softmax_lse = tv(out), tv(lse)
     p.attn, keep = _attn_options(q, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
-    p.exec = _exec_options(q)
     _run(q, lib.fwd_kvcache, lib.kvcache_workspace_size, p)
     del keep, index
     return out, lse

@@ -24,10 +24,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
-from ring_workers import Case, Where, _compare, _inputs, _ring, _single  # noqa: E402
+from ring_workers import Case, Where, _inputs, _ring, _single, compare_shards  # noqa: E402
 
 import flare.distributed.ring as ring_module  # noqa: E402
-from flare.distributed import shard_sequence, shard_varlen  # noqa: E402
 from flare.distributed.comm import Pending, Ring  # noqa: E402
 
 WORLD = 3
@@ -99,20 +98,12 @@ def run_case(case, where, device="cuda"):
     for name, t in zip(("out", "lse", "dq", "dk", "dv"), ring):
         assert t.device == cast[0].device, f"{name} came back on {t.device}, the inputs are on {cast[0].device}"
         assert torch.isfinite(t).all(), f"ring {name} has non-finite values"
-    if cu is None:
-        rows = lambda t: shard_sequence(t, **where.split, zigzag=case.zigzag)              # noqa: E731
-        lse_rows = lambda t: shard_sequence(t, **where.split, zigzag=case.zigzag, seq_dim=2)  # noqa: E731
-    else:
-        index = shard_varlen(torch.arange(int(cu[-1])), cu, **where.split, zigzag=case.zigzag)[0]
-        rows = lambda t: t.index_select(0, index.to(t.device))                              # noqa: E731
-        lse_rows = lambda t: t.index_select(1, index.to(t.device))                          # noqa: E731
-    for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
-        shard = lse_rows if name == "lse" else rows
-        got, want = ring[i].cpu(), shard(single[i]).cpu()
-        if name == "lse":  # fp32 on both sides; the ring merges it in fp32 from the blocks' fp32 lse
-            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5, msg=lambda m: f"lse: {m}")
-        else:
-            _compare(name, got, want, shard(exact[i]).cpu(), where.world)
+    compare_shards(case, where, cu, ring, single, exact, compare_lse=_lse_close)
+
+
+def _lse_close(got, want):
+    """fp32 on both sides; the ring merges the blocks' fp32 lse in fp32."""
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5, msg=lambda m: f"lse: {m}")
 
 
 def _run_all(where, names, records, device):

@@ -177,16 +177,26 @@ def run_case(case, where):
     cast = [t.to(case.dtype) for t in (q, k, v, dout)]
     single = _single(case, *cast, slopes, cu)
     ring = _ring(case, *cast, slopes, cu, where)
+    compare_shards(case, where, cu, ring, single, exact)
+
+
+def compare_shards(case, where, cu, ring, single, exact, compare_lse=None):
+    """This rank's share of the whole-sequence results (single, exact: (out, lse, dq, dk, dv)) against the
+    ring's, each by _compare (on the host); lse by compare_lse(got, want) instead where given."""
     if cu is None:
         shard_rows = lambda t: shard_sequence(t, **where.split, zigzag=case.zigzag)              # noqa: E731
         shard_lse = lambda t: shard_sequence(t, **where.split, zigzag=case.zigzag, seq_dim=2)    # noqa: E731
     else:
         index = shard_varlen(torch.arange(int(cu[-1])), cu, **where.split, zigzag=case.zigzag)[0]
-        shard_rows = lambda t: t.index_select(0, index)                                          # noqa: E731
-        shard_lse = lambda t: t.index_select(1, index)                                           # noqa: E731
+        shard_rows = lambda t: t.index_select(0, index.to(t.device))                             # noqa: E731
+        shard_lse = lambda t: t.index_select(1, index.to(t.device))                              # noqa: E731
     for i, name in enumerate(("out", "lse", "dq", "dk", "dv")):
         shard = shard_lse if name == "lse" else shard_rows
-        _compare(name, ring[i], shard(single[i]), shard(exact[i]), where.world)
+        got, want = ring[i].cpu(), shard(single[i]).cpu()
+        if name == "lse" and compare_lse is not None:
+            compare_lse(got, want)
+        else:
+            _compare(name, got, want, shard(exact[i]).cpu(), where.world)
 
 
 # ---- helpers and errors -------------------------------------------------------------------------------
