@@ -93,6 +93,12 @@ __global__ void __launch_bounds__(kDsumThreads) dsum_kernel(const __grid_constan
 }
 
 // ---- 2. the main kernel -------------------------------------------------------------------------------------
+// One float from global to shared memory, asynchronously (part of the thread's current cp.async group).
+__device__ __forceinline__ void cp_async_float(float* to, const float* from) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(to));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(from) : "memory");
+}
+
 // The query tiles [m_first, m_last) whose rows see any key of tile [n0, n0 + block_n) (empty when none does).
 __device__ __forceinline__ void query_tiles_of(policy::WindowMask const& mask, int n0, int block_n, int block_m,
                                                int& m_first, int& m_last) {
@@ -134,7 +140,7 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
   constexpr int kQ = cosize(typename T::SmemLayoutQ{});
   constexpr int kKV = cosize(typename T::SmemLayoutKV{});
   constexpr int kP = cosize(typename T::SmemLayoutP{});
-  // [Q0 (Q1) dO0 (dO1) K V P dS]
+  // [Q0 (Q1) dO0 (dO1) K V P dS], then with T::kStatsInSmem, as floats, [lse0 D0 (lse1 D1)]
   constexpr int kBufs = T::kQBuffers;
   auto sQ_at = [&](int buf) { return make_tensor(make_smem_ptr(base + buf * kQ), typename T::SmemLayoutQ{}); };
   auto sQt_at = [&](int buf) { return make_tensor(make_smem_ptr(base + buf * kQ), typename T::SmemLayoutQt{}); };
@@ -152,6 +158,7 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
   Tensor sPt = make_tensor(make_smem_ptr(k_base + 2 * kKV), typename T::SmemLayoutPt{});
   Tensor sdS = make_tensor(make_smem_ptr(k_base + 2 * kKV + kP), typename T::SmemLayoutP{});
   Tensor sdSt = make_tensor(make_smem_ptr(k_base + 2 * kKV + kP), typename T::SmemLayoutPt{});
+  float* const row_stats = reinterpret_cast<float*>(k_base + 2 * kKV + 2 * kP);
 
   typename T::GmemLoad gload;
   auto gthr = gload.get_thread_slice(tid);
@@ -240,20 +247,37 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
             k_base + kKV);
     const int64_t q_offset = seq.q_offset(p.q, b, h);
     const int64_t dout_offset = seq.q_offset(p.dout, b, h);
+    const int64_t q_row0 = seq.q_row0(p, b);
+    const float* lse = p.lse + seq.lse_offset(p, b, h);
+    const float* dsum = p.dsum + h * p.q_rows + q_row0;
+    // kStatsInSmem: query tile m's lse (with_lse) and D (with_dsum) into statistics buffer `buf`, a float per
+    // thread, in the caller's cp.async group; rows past the sequence are skipped (never read).
+    const auto load_row_stats = [&](int m, int buf, bool with_lse, bool with_dsum) {
+      if constexpr (T::kStatsInSmem) {
+        float* to = row_stats + buf * 2 * kBlockM;
+        for (int x = tid; x < 2 * kBlockM; x += T::kThreads) {
+          const bool is_lse = x < kBlockM;
+          const int i = m * kBlockM + (is_lse ? x : x - kBlockM);
+          if (i < seq.len_q && (is_lse ? with_lse : with_dsum)) cp_async_float(to + x, is_lse ? lse + i : dsum + i);
+        }
+      }
+    };
     if (m_last > m_first) {
       const int q_rows = seq.len_q - m_first * kBlockM;
       load_q(p.q, q_offset + int64_t{m_first} * kBlockM * p.q.row_stride, q_rows, p.headdim, 0);
       load_q(p.dout, dout_offset + int64_t{m_first} * kBlockM * p.dout.row_stride, q_rows, p.headdim_v, kBufs);
+      load_row_stats(m_first, 0, true, false);
     }
     cp_async_fence();
     // dsum_kernel's D and zeroed dQ buffer (the loads above read only the call's inputs).
     wait_for_prior_grid();
+    if constexpr (T::kStatsInSmem) {
+      if (m_last > m_first) load_row_stats(m_first, 0, false, true);
+      cp_async_fence();
+    }
 
     const ScoreShape shape(p, b, h, seq.len_q, seq.len_k);
     const float f = shape.log2_factor;
-    const int64_t q_row0 = seq.q_row0(p, b);
-    const float* lse = p.lse + seq.lse_offset(p, b, h);
-    const float* dsum = p.dsum + h * p.q_rows + q_row0;
     float* dq_accum = p.dq_accum +
                       ((static_cast<int64_t>(p.deterministic ? blockIdx.x : 0) * p.nheads + h) * p.q_rows + q_row0) *
                           kHeadDim;
@@ -280,19 +304,24 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
       cp_async_wait<0>();
       __syncthreads();  // Q[m], dO[m] have landed; the other buffers, sP and sdS are free
       if (kBufs == 2 && more) {
+        load_row_stats(m + 1, buf ^ 1, true, true);  // in load_next's cp.async group
         load_next(m, p.q, q_offset, buf ^ 1, p.headdim);
         load_next(m, p.dout, dout_offset, kBufs + (buf ^ 1), p.headdim_v);
       }
 
-      // Per-row lse (log2 units; +inf makes P = 0 for fully masked rows and rows past the end) and D.
+      // Per-row lse (log2 units; +inf makes P = 0 for fully masked rows and rows past the end) and D, from
+      // shared memory with kStatsInSmem, else from global memory.
+      const float* stats = row_stats + buf * 2 * kBlockM;
       float lse2[kRows];
       float dd[kRows];
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
-        const int i = m0 + coords.row_base + get<0>(coord_rc(r, 0));
-        const float l = i < seq.len_q ? lse[i] : -INFINITY;
+        const int row = coords.row_base + get<0>(coord_rc(r, 0));
+        const int i = m0 + row;
+        const bool in_seq = i < seq.len_q;
+        const float l = !in_seq ? -INFINITY : T::kStatsInSmem ? stats[row] : lse[i];
         lse2[r] = l == -INFINITY ? INFINITY : l * kLog2e;
-        dd[r] = i < seq.len_q ? dsum[i] : 0.f;
+        dd[r] = !in_seq ? 0.f : T::kStatsInSmem ? stats[kBlockM + row] : dsum[i];
       }
 
       Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -352,7 +381,8 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
       gemm_ss(acc_dk, rdSt, rQt, tdSsdSt, thr_b_dkv.partition_S(sQt_at(buf)), mma_dkv, copy_a_dkv, copy_b_dkv,
               thr_a_dkv, thr_b_dkv);
       if (kBufs == 1 && more) {
-        __syncthreads();  // every warp is done with Q[m]
+        __syncthreads();  // every warp is done with Q[m] (and read its row statistics at the top)
+        load_row_stats(m + 1, 0, true, true);
         load_next(m, p.q, q_offset, 0, p.headdim);
       }
     };
@@ -643,7 +673,13 @@ cudaError_t launch_backward_with(BwdParams const& p, cudaStream_t stream, bool c
 template <class T, class TShaped = T>
 cudaError_t launch_backward(BwdParams const& p, cudaStream_t stream) {
   static_assert(T::kBlockN == TShaped::kBlockN, "one key-tile height per head dim (backward_block_n)");
-  return shaped_scores(p) ? launch_backward_with<TShaped, true>(p, stream) : launch_backward_with<T, false>(p, stream);
+  if (shaped_scores(p)) return launch_backward_with<TShaped, true>(p, stream);
+  using Short = typename BwdShortOf<T>::type;  // configs.cuh: short sequences, where it pays
+  if constexpr (!std::is_void_v<Short>) {
+    static_assert(Short::kBlockN == T::kBlockN && Short::kBlockM == T::kBlockM, "the same workspace");
+    if (backward_short(p)) return launch_backward_with<Short, false>(p, stream);
+  }
+  return launch_backward_with<T, false>(p, stream);
 }
 
 }  // namespace flare::cuda::sm80

@@ -122,11 +122,14 @@ struct FwdTraits {
 // into the dQ buffer before the next: a slice's accumulator is what the registers must hold at once.
 // kMaskLoopApart: the query tiles that take the mask and the whole ones run in separate loops, each compiled
 // for its case (backward.cuh); else one loop tests per tile.
+// kStatsInSmem: each query tile's lse and D are copied into shared memory with its Q and dO (double-buffered
+// like them) instead of read from global memory at the top of its visit (backward.cuh, configs.cuh).
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kAtomMSdP, int kAtomNdKV,
           int kAtomMdQ, bool kDoubleBuffer_ = true, SmemClass kClass_ = SmemClass::kLarge, int kDqCols_ = 0,
-          bool kMaskLoopApart_ = true>
+          bool kMaskLoopApart_ = true, bool kStatsInSmem_ = false>
 struct BwdTraits {
   static constexpr bool kMaskLoopApart = kMaskLoopApart_;
+  static constexpr bool kStatsInSmem = kStatsInSmem_;
   static constexpr int kDqCols = kDqCols_ == 0 ? kHeadDim_ : kDqCols_;
   static_assert(kHeadDim_ % kDqCols == 0 && kDqCols % (16 * (kWarps_ / kAtomMdQ)) == 0,
                 "dQ slices must tile the head dim and the dQ product's columns");
@@ -169,9 +172,10 @@ struct BwdTraits {
   static constexpr int kQBytes = int(sizeof(Element)) * cosize(SmemLayoutQ{});
   static constexpr int kKVBytes = int(sizeof(Element)) * cosize(SmemLayoutKV{});
   static constexpr int kPBytes = int(sizeof(Element)) * cosize(SmemLayoutP{});
-  // Q and dO (one or two buffers each), K, V, P, dS.
+  // Q and dO (one or two buffers each), K, V, P, dS, and with kStatsInSmem each Q buffer's lse and D (fp32).
   static constexpr int kQBuffers = kDoubleBuffer ? 2 : 1;
-  static constexpr int kSmemBytes = 2 * kQBuffers * kQBytes + 2 * kKVBytes + 2 * kPBytes;
+  static constexpr int kStatsBytes = kStatsInSmem ? kQBuffers * 2 * kBlockM * int(sizeof(float)) : 0;
+  static constexpr int kSmemBytes = 2 * kQBuffers * kQBytes + 2 * kKVBytes + 2 * kPBytes + kStatsBytes;
   static_assert(kClass == SmemClass::kLarge || kSmemBytes <= kSmallSmemBytes, "a small configuration over 99 KB");
 };
 
