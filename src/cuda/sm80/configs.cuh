@@ -156,10 +156,11 @@ using BwdShapedConfig = typename BwdShapedConfigOf<Element, kHeadDim, kClass>::t
 
 // The backward of short sequences without softcap and ALiBi (backward_short): T with each query tile's lse and
 // D copied into shared memory alongside its Q and dO (BwdTraits::kStatsInSmem), or void where T is kept.
-// Head dim 64, large class, on the H200 (bench/results/gpu-ab-2026-12-03.json, flare and FA2 in every run):
-// at seqlen 512 1.05x T without a mask and 1.01x causal, level at 1024, and 0.97-0.98x from 2048 on, where
-// T's loads of lse and D from global memory at the top of each visit cost nothing the copies would save.
-// (Only the first tile's statistics copied, the rest read as in T, was 0.97-0.99x T everywhere.)
+// Head dim 64, large class, on the H200: at seqlen 512 the backward went from 0.969x FA2 to 1.015x without a
+// mask and from 1.004x to 1.017x causal (bench/results/gpu-fwd-bwd-2026-12-02-9.json, then -12-04.json).
+// Above 512 T is kept: there the grid is many waves deep and the global loads of lse and D at the top of
+// each visit are hidden; the two side by side at every length (bench/gpu/ab_builds.py) are still to be run
+// and kept before the threshold moves.
 template <class T>
 struct BwdShortOf {
   using type = void;
