@@ -158,9 +158,10 @@ using BwdShapedConfig = typename BwdShapedConfigOf<Element, kHeadDim, kClass>::t
 // D copied into shared memory alongside its Q and dO (BwdTraits::kStatsInSmem), or void where T is kept.
 // Head dim 64, large class, on the H200: at seqlen 512 the backward went from 0.969x FA2 to 1.015x without a
 // mask and from 1.004x to 1.017x causal (bench/results/gpu-fwd-bwd-2026-12-02-9.json, then -12-04.json).
-// Above 512 T is kept: there the grid is many waves deep and the global loads of lse and D at the top of
-// each visit are hidden; the two side by side at every length (bench/gpu/ab_builds.py) are still to be run
-// and kept before the threshold moves.
+// Side by side at every length (bench/results/gpu-tuning-2026-12-04.json, no L2 flush): 1.02x at 1024
+// without a mask, level at 512-1024 causal and at 512 without one, 0.96-0.98x from 2048 on, where the grid is
+// many waves deep and the global loads of lse and D at the top of each visit are hidden, and the larger
+// shared-memory footprint costs more than it saves.
 template <class T>
 struct BwdShortOf {
   using type = void;
@@ -171,8 +172,8 @@ struct BwdShortOf<BwdTraits<E, 64, m, n, w, a, b, c, dbl, SmemClass::kLarge, dq,
 };
 
 // Whether a backward call takes BwdShortOf's configuration (where there is one): its longest query sequence
-// (varlen: seqlen_q, an upper bound) is at most 512 rows.
-inline bool backward_short(AttnParams const& p) { return p.seqlen_q <= 512; }
+// (varlen: seqlen_q, an upper bound) is at most 1024 rows.
+inline bool backward_short(AttnParams const& p) { return p.seqlen_q <= 1024; }
 
 template <class Element, int kHeadDim, SmemClass kClass>
 constexpr int backward_smem_bytes_as() {
