@@ -140,15 +140,20 @@ struct OneLoopOf<BwdTraits<E, d, m, n, w, a, b, c, dbl, k, dq, apart>> {
 template <class T>
 using OneLoop = typename OneLoopOf<T>::type;
 
-// A forward traits type with the prologue's copies issued after the set-up (FwdTraits::kEarlyCopies false).
-template <class T>
-struct LateCopiesOf;
-template <class E, int d, int m, int n, int w, bool apart, bool plain, bool skip, bool early>
-struct LateCopiesOf<FwdTraits<E, d, m, n, w, apart, plain, skip, early>> {
-  using type = FwdTraits<E, d, m, n, w, apart, plain, skip, false>;
+// A forward traits type with its kSkipSettledRescale and kEarlyCopies flags set as given, the rest as is.
+template <class T, bool kSkip, bool kEarly>
+struct FwdFlagsOf;
+template <class E, int d, int m, int n, int w, bool apart, bool plain, bool skip, bool early, bool kSkip,
+          bool kEarly>
+struct FwdFlagsOf<FwdTraits<E, d, m, n, w, apart, plain, skip, early>, kSkip, kEarly> {
+  using type = FwdTraits<E, d, m, n, w, apart, plain, kSkip, kEarly>;
 };
+// The prologue's copies issued after the set-up (FwdTraits::kEarlyCopies false).
 template <class T>
-using LateCopies = typename LateCopiesOf<T>::type;
+using LateCopies = typename FwdFlagsOf<T, T::kSkipSettledRescale, false>::type;
+// The output rescale never skipped (FwdTraits::kSkipSettledRescale false).
+template <class T>
+using NoSkip = typename FwdFlagsOf<T, false, T::kEarlyCopies>::type;
 
 // A backward configuration compiled for kMin CTAs per SM (__launch_bounds__ min blocks: registers capped).
 template <class T, int kMin>
@@ -284,6 +289,13 @@ int main(int argc, char** argv) {
   for (int round = 0; round < 2; ++round) {
     for (bool causal : {false, true}) {
       for (int seqlen : {512, 1024, 2048, 4096, 8192, 16384}) {
+        // Head dim 256's forward without softcap and ALiBi: the shipped choice (FwdConfigOf::PlainFewKeys up to
+        // forward_few_keys' length, Plain beyond), and both kernels at every length
+        // (bench/results/gpu-tuning-2026-12-04-2.json).
+        using Plain256 = FwdConfigOf<bf16, 256, FwdShape::kShort, SmemClass::kLarge>::Plain;
+        time_variant<Shipped<bf16, 256>>("hd256 fwd shipped", 256, seqlen, causal, bufs);
+        time_variant<Plain256>("hd256 fwd short plain", 256, seqlen, causal, bufs);
+        time_variant<NoSkip<Plain256>>("hd256 fwd short plain noskip", 256, seqlen, causal, bufs);
         // Head dim 64's backward with each query tile's lse and D in shared memory (BwdShortOf), which the
         // shipped dispatch takes up to backward_short's length, against the configuration beyond it, at every
         // length (bench/results/gpu-tuning-2026-12-04.json). A persistent forward (as many CTAs as fit at once,

@@ -68,7 +68,23 @@ struct FwdConfigOf {
   using ShortPlain =
       std::conditional_t<(kHeadDim > 128), FwdTraits<Element, kHeadDim, 64, 64, 4, true, true>, void>;
   using Plain = std::conditional_t<std::is_same_v<type, Long>, LongPlain, ShortPlain>;
+
+  // Plain's twin with the output rescale never skipped (kSkipSettledRescale false), for calls whose head dims
+  // fill the tile and whose rows see few key tiles (forward_few_keys), or void. A warp skips the rescale only
+  // when none of its rows moved its maximum, and over random scores a row's maximum moves in its k-th key tile
+  // with chance 1/k: across the first few tiles nearly every tile rescales, and the skip's test and the
+  // corrections it keeps live cost without saving. Head dim 256, short shape, side by side
+  // (gpu-tuning-2026-12-04-2.json): 1.01-1.03x at seqlen 512 and 1024, level at 2048-4096, 0.97-0.99x from 8192;
+  // ptxas spills 40 bytes per thread in it against 72. Elsewhere not timed, or slower (head dim 64's long
+  // shape at 512, gpu-tuning-2026-12-02-3.json).
+  using PlainFewKeys =
+      std::conditional_t<kHeadDim == 256 && std::is_same_v<type, Short>,
+                         FwdTraits<Element, kHeadDim, 64, 64, 4, true, true, /*kSkipSettledRescale=*/false>, void>;
 };
+
+// Whether a call's rows see few enough key tiles for FwdConfigOf::PlainFewKeys (seqlen_k: the longest key
+// sequence, varlen an upper bound).
+inline bool forward_few_keys(AttnParams const& p) { return p.seqlen_k <= 1024; }
 template <class Element, int kHeadDim, FwdShape kShape = FwdShape::kLong, SmemClass kClass = SmemClass::kLarge>
 using FwdConfig = typename FwdConfigOf<Element, kHeadDim, kShape, kClass>::type;
 
@@ -158,10 +174,10 @@ using BwdShapedConfig = typename BwdShapedConfigOf<Element, kHeadDim, kClass>::t
 // D copied into shared memory alongside its Q and dO (BwdTraits::kStatsInSmem), or void where T is kept.
 // Head dim 64, large class, on the H200: at seqlen 512 the backward went from 0.969x FA2 to 1.015x without a
 // mask and from 1.004x to 1.017x causal (bench/results/gpu-fwd-bwd-2026-12-02-9.json, then -12-04.json).
-// Side by side at every length (bench/results/gpu-tuning-2026-12-04.json, no L2 flush): 1.02x at 1024
-// without a mask, level at 512-1024 causal and at 512 without one, 0.96-0.98x from 2048 on, where the grid is
-// many waves deep and the global loads of lse and D at the top of each visit are hidden, and the larger
-// shared-memory footprint costs more than it saves.
+// Side by side at every length in two calls (bench/results/gpu-tuning-2026-12-04.json and -3.json, no L2
+// flush): 1.00-1.02x at 1024 without a mask, level at 512-1024 otherwise, 0.95-0.99x from 2048 on, where the
+// grid is many waves deep and the global loads of lse and D at the top of each visit are hidden, and the
+// larger shared-memory footprint costs more than it saves.
 template <class T>
 struct BwdShortOf {
   using type = void;

@@ -267,11 +267,16 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
   copy_rows<false>(gstore, sthr.partition_S(sO), sthr.partition_D(gO), tQcQ, q_rows, p.headdim_v);
 }
 
-// Launches the forward for one traits type on `stream`.
+// Whether a call's head dims fill T's tile (then T::kWholeDimsKernel says which kernel runs it).
 template <class T>
-cudaError_t launch_forward(AttnParams const& p, cudaStream_t stream) {
-  const bool whole_dims = p.headdim == T::kHeadDim && p.headdim_v == T::kHeadDim;
-  const auto kernel = whole_dims ? forward_kernel<T, T::kWholeDimsKernel> : forward_kernel<T, false>;
+bool whole_dims(AttnParams const& p) {
+  return p.headdim == T::kHeadDim && p.headdim_v == T::kHeadDim;
+}
+
+// Launches the forward kernel for one traits type on `stream`, compiled with or without kWholeDims.
+template <class T, bool kWholeDims>
+cudaError_t launch_forward_kernel(AttnParams const& p, cudaStream_t stream) {
+  const auto kernel = forward_kernel<T, kWholeDims>;
   constexpr int kSmem = T::kSmemBytes;
   if constexpr (kSmem > 48 * 1024) {
     if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
@@ -284,13 +289,28 @@ cudaError_t launch_forward(AttnParams const& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// Launches the forward for one traits type on `stream`.
+template <class T>
+cudaError_t launch_forward(AttnParams const& p, cudaStream_t stream) {
+  return whole_dims<T>(p) ? launch_forward_kernel<T, T::kWholeDimsKernel>(p, stream)
+                          : launch_forward_kernel<T, false>(p, stream);
+}
+
 // Launches one shape's configuration: its kernel with the mask alone where it has one and the call takes it
-// (FwdConfigOf::Plain), else the one with the score transform.
+// (FwdConfigOf::Plain; for few keys and whole head dims its twin without the skipped rescale where there is
+// one, FwdConfigOf::PlainFewKeys), else the one with the score transform.
 template <class Config>
 cudaError_t launch_forward_config(AttnParams const& p, cudaStream_t stream) {
   using Plain = typename Config::Plain;
+  using FewKeys = typename Config::PlainFewKeys;
   if constexpr (!std::is_void_v<Plain>) {
-    if (!shaped_scores(p) && (windowed(p) || !Config::kPlainMaskedOnly)) return launch_forward<Plain>(p, stream);
+    if (!shaped_scores(p) && (windowed(p) || !Config::kPlainMaskedOnly)) {
+      if constexpr (!std::is_void_v<FewKeys>) {
+        static_assert(FewKeys::kWholeDimsKernel, "PlainFewKeys is compiled for whole head dims only");
+        if (forward_few_keys(p) && whole_dims<FewKeys>(p)) return launch_forward_kernel<FewKeys, true>(p, stream);
+      }
+      return launch_forward<Plain>(p, stream);
+    }
   }
   return launch_forward<typename Config::type>(p, stream);
 }
