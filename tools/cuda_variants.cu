@@ -279,31 +279,29 @@ int main(int argc, char** argv) {
   cudaMalloc(&bufs.workspace, sizeof(float) * (n + size_t{kTokens} * 64) + (1 << 20));
 
   // Variants first checked against the shipped configuration (same_backward), then timed.
+  // Head dim 64's backward: the shipped configuration beyond backward_short (dQ in 32-column slices) and its
+  // twin with the statistics in shared memory (whole-width dQ), each against the other dQ width
+  // (bench/results/gpu-tuning-2026-12-04-4.json).
+  using Long64 = BwdConfig<bf16, 64>;
+  using Stats64 = BwdShortOf<Long64>::type;
+  using LongDq32 = BwdTraits<bf16, 64, 128, 128, 8, 4, 4, 4, true, SmemClass::kLarge, 32, true, false>;
+  using LongWhole = BwdTraits<bf16, 64, 128, 128, 8, 4, 4, 4, true, SmemClass::kLarge, 0, true, false>;
+  using StatsDq32 = BwdTraits<bf16, 64, 128, 128, 8, 4, 4, 4, true, SmemClass::kLarge, 32, true, true>;
+  static_assert(std::is_same_v<Long64, LongDq32>, "the shipped configuration is the one timed as such");
   bool same = true;
   for (bool causal : {false, true}) {
     for (int seqlen : {512, 1000}) {  // 1000: a partial last tile
-      same &= same_backward<BwdConfig<bf16, 64>, BwdShortOf<BwdConfig<bf16, 64>>::type>(
-          "hd64 bwd check stats in smem", seqlen, causal, bufs);
+      same &= same_backward<Long64, LongWhole>("hd64 bwd check whole dq", seqlen, causal, bufs);
+      same &= same_backward<Long64, StatsDq32>("hd64 bwd check stats dq32", seqlen, causal, bufs);
     }
   }
   for (int round = 0; round < 2; ++round) {
     for (bool causal : {false, true}) {
       for (int seqlen : {512, 1024, 2048, 4096, 8192, 16384}) {
-        // Head dim 256's forward without softcap and ALiBi: the shipped choice (FwdConfigOf::PlainFewKeys up to
-        // forward_few_keys' length, Plain beyond), and both kernels at every length
-        // (bench/results/gpu-tuning-2026-12-04-2.json).
-        using Plain256 = FwdConfigOf<bf16, 256, FwdShape::kShort, SmemClass::kLarge>::Plain;
-        time_variant<Shipped<bf16, 256>>("hd256 fwd shipped", 256, seqlen, causal, bufs);
-        time_variant<Plain256>("hd256 fwd short plain", 256, seqlen, causal, bufs);
-        time_variant<NoSkip<Plain256>>("hd256 fwd short plain noskip", 256, seqlen, causal, bufs);
-        // Head dim 64's backward with each query tile's lse and D in shared memory (BwdShortOf), which the
-        // shipped dispatch takes up to backward_short's length, against the configuration beyond it, at every
-        // length (bench/results/gpu-tuning-2026-12-04.json). A persistent forward (as many CTAs as fit at once,
-        // each tile's last key visit issuing the next tile's Q and first K) timed 2-3% slower without a mask
-        // and 5-29% slower under a causal one in the same run (not kept).
-        time_variant<Shipped<bf16, 64>, BwdConfig<bf16, 64>>("hd64 bwd long-seq config", 64, seqlen, causal, bufs);
-        time_variant<Shipped<bf16, 64>, BwdShortOf<BwdConfig<bf16, 64>>::type>("hd64 bwd stats in smem", 64,
-                                                                               seqlen, causal, bufs);
+        time_variant<Shipped<bf16, 64>, LongWhole>("hd64 bwd long-seq config", 64, seqlen, causal, bufs);
+        time_variant<Shipped<bf16, 64>, Long64>("hd64 bwd long-seq dq32", 64, seqlen, causal, bufs);
+        time_variant<Shipped<bf16, 64>, Stats64>("hd64 bwd stats in smem", 64, seqlen, causal, bufs);
+        time_variant<Shipped<bf16, 64>, StatsDq32>("hd64 bwd stats in smem dq32", 64, seqlen, causal, bufs);
       }
     }
   }

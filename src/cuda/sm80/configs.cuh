@@ -15,7 +15,9 @@
 // query tiles of 128 at head dims <= 64 (half the passes over each K/V tile), 64 beyond. At head dims 192 and
 // 256 the dK/dV and dQ products put 4 warps along the head dim (one third less shared-memory traffic than 2;
 // 160 and 224 are not multiples of 64). From head dim 160 dQ is computed in column slices (kDqCols), each
-// accumulated before the next: 3-5% faster at 192-256 (224 measured for 160 too). The 128-row tiles at head dim 64 timed
+// accumulated before the next: 3-5% faster at 192-256 (224 measured for 160 too); at head dim 64 in 32-column
+// slices, 1.4-3.1% faster from seqlen 2048 on and 1% slower at 512-1024 (gpu-tuning-2026-12-04-4.json),
+// where BwdShortOf's twin runs and keeps the whole width. The 128-row tiles at head dim 64 timed
 // 5-9% faster than 64 rows (bench/results/gpu-tuning-2026-12-01-3.json).
 // Each has a small-shared-memory twin for sm_86 / sm_89 (SmemClass, params.hpp).
 #pragma once
@@ -136,7 +138,7 @@ constexpr int forward_smem_bytes_as() {
 template <class Element, int kHeadDim, SmemClass kClass>
 struct BwdConfigOf;
 template <class E> struct BwdConfigOf<E, 32, SmemClass::kLarge> { using type = BwdTraits<E, 32, 128, 128, 8, 4, 4, 4>; };
-template <class E> struct BwdConfigOf<E, 64, SmemClass::kLarge> { using type = BwdTraits<E, 64, 128, 128, 8, 4, 4, 4>; };
+template <class E> struct BwdConfigOf<E, 64, SmemClass::kLarge> { using type = BwdTraits<E, 64, 128, 128, 8, 4, 4, 4, true, SmemClass::kLarge, 32>; };
 template <class E> struct BwdConfigOf<E, 96, SmemClass::kLarge> { using type = BwdTraits<E, 96, 64, 128, 8, 2, 4, 4>; };
 template <class E> struct BwdConfigOf<E, 128, SmemClass::kLarge> { using type = BwdTraits<E, 128, 64, 128, 8, 2, 4, 2>; };
 template <class E> struct BwdConfigOf<E, 160, SmemClass::kLarge> { using type = BwdTraits<E, 160, 64, 64, 8, 4, 4, 4, true, SmemClass::kLarge, 32>; };
@@ -171,20 +173,21 @@ template <class Element, int kHeadDim, SmemClass kClass = SmemClass::kLarge>
 using BwdShapedConfig = typename BwdShapedConfigOf<Element, kHeadDim, kClass>::type;
 
 // The backward of short sequences without softcap and ALiBi (backward_short): T with each query tile's lse and
-// D copied into shared memory alongside its Q and dO (BwdTraits::kStatsInSmem), or void where T is kept.
+// D copied into shared memory alongside its Q and dO (BwdTraits::kStatsInSmem) and dQ computed whole (kDqCols
+// 0: 32-column slices were 1% slower there, gpu-tuning-2026-12-04-4.json), or void where T is kept.
 // Head dim 64, large class, on the H200: at seqlen 512 the backward went from 0.969x FA2 to 1.015x without a
 // mask and from 1.004x to 1.017x causal (bench/results/gpu-fwd-bwd-2026-12-02-9.json, then -12-04.json).
 // Side by side at every length in two calls (bench/results/gpu-tuning-2026-12-04.json and -3.json, no L2
-// flush): 1.00-1.02x at 1024 without a mask, level at 512-1024 otherwise, 0.95-0.99x from 2048 on, where the
-// grid is many waves deep and the global loads of lse and D at the top of each visit are hidden, and the
-// larger shared-memory footprint costs more than it saves.
+// flush; both with whole-width dQ): 1.00-1.02x at 1024 without a mask, level at 512-1024 otherwise,
+// 0.95-0.99x from 2048 on, where each CTA's many visits hide the global loads of lse and D (what makes the
+// twin slower there was not measured), and beyond which the configuration with 32-column dQ slices gains.
 template <class T>
 struct BwdShortOf {
   using type = void;
 };
 template <class E, int m, int n, int w, int a, int b, int c, bool dbl, int dq, bool apart>
 struct BwdShortOf<BwdTraits<E, 64, m, n, w, a, b, c, dbl, SmemClass::kLarge, dq, apart, false>> {
-  using type = BwdTraits<E, 64, m, n, w, a, b, c, dbl, SmemClass::kLarge, dq, apart, true>;
+  using type = BwdTraits<E, 64, m, n, w, a, b, c, dbl, SmemClass::kLarge, 0, apart, true>;
 };
 
 // Whether a backward call takes BwdShortOf's configuration (where there is one): its longest query sequence
