@@ -174,7 +174,8 @@ void time_variant(const char* name, int headdim, int seqlen, bool causal, const 
               causal ? "causal" : "full", flops(p, 1) / fwd * 1e-9);
   if constexpr (!std::is_void_v<Bwd>) {
     const BwdParams b = dense_bwd(headdim, seqlen, causal, bufs);
-    const double bwd = median_ms([&] { launch_backward<Bwd>(b, nullptr); }, 10);
+    // launch_backward_with, not launch_backward: the latter would swap in BwdShortOf's twin at short lengths.
+    const double bwd = median_ms([&] { launch_backward_with<Bwd, false>(b, nullptr); }, 10);
     std::printf("   bwd %6.0f TFLOP/s", flops(p, 2.5) / bwd * 1e-9);
   }
   const cudaError_t e = cudaDeviceSynchronize();
@@ -220,7 +221,8 @@ bool same_backward(const char* name, int seqlen, bool causal, const Buffers& buf
   std::vector<uint16_t> out[2][3];
   for (int run = 0; run < 2; ++run) {
     for (bf16* g : {bufs.dq, bufs.dk, bufs.dv}) cudaMemset(g, 0xff, n * sizeof(bf16));
-    const cudaError_t e = run == 0 ? launch_backward<A>(b, nullptr) : launch_backward<B>(b, nullptr);
+    const cudaError_t e =
+        run == 0 ? launch_backward_with<A, false>(b, nullptr) : launch_backward_with<B, false>(b, nullptr);
     if (e != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) {
       std::printf("%-34s hd %3d seqlen %5d %-9s CUDA ERROR\n", name, d, seqlen, causal ? "causal" : "full");
       return false;

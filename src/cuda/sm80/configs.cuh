@@ -16,8 +16,8 @@
 // 256 the dK/dV and dQ products put 4 warps along the head dim (one third less shared-memory traffic than 2;
 // 160 and 224 are not multiples of 64). From head dim 160 dQ is computed in column slices (kDqCols), each
 // accumulated before the next: 3-5% faster at 192-256 (224 measured for 160 too); at head dim 64 in 32-column
-// slices, 1.4-3.1% faster from seqlen 2048 on and 1% slower at 512-1024 (gpu-tuning-2026-12-04-4.json),
-// where BwdShortOf's twin runs and keeps the whole width. The 128-row tiles at head dim 64 timed
+// slices, 1.4-3.1% faster from seqlen 1024 on and at causal 512, 0.5% slower at 512 without a mask
+// (gpu-tuning-2026-12-04-5.json), where BwdShortOf's twin runs and keeps the whole width. The 128-row tiles at head dim 64 timed
 // 5-9% faster than 64 rows (bench/results/gpu-tuning-2026-12-01-3.json).
 // Each has a small-shared-memory twin for sm_86 / sm_89 (SmemClass, params.hpp).
 #pragma once
@@ -174,13 +174,12 @@ using BwdShapedConfig = typename BwdShapedConfigOf<Element, kHeadDim, kClass>::t
 
 // The backward of short sequences without softcap and ALiBi (backward_short): T with each query tile's lse and
 // D copied into shared memory alongside its Q and dO (BwdTraits::kStatsInSmem) and dQ computed whole (kDqCols
-// 0: 32-column slices were 1% slower there, gpu-tuning-2026-12-04-4.json), or void where T is kept.
+// 0: 32-column slices were 1% slower there, gpu-tuning-2026-12-04-5.json), or void where T is kept.
 // Head dim 64, large class, on the H200: at seqlen 512 the backward went from 0.969x FA2 to 1.015x without a
 // mask and from 1.004x to 1.017x causal (bench/results/gpu-fwd-bwd-2026-12-02-9.json, then -12-04.json).
-// Side by side at every length in two calls (bench/results/gpu-tuning-2026-12-04.json and -3.json, no L2
-// flush; both with whole-width dQ): 1.00-1.02x at 1024 without a mask, level at 512-1024 otherwise,
-// 0.95-0.99x from 2048 on, where each CTA's many visits hide the global loads of lse and D (what makes the
-// twin slower there was not measured), and beyond which the configuration with 32-column dQ slices gains.
+// Each configuration launched as named at every length (bench/results/gpu-tuning-2026-12-04-5.json, no L2
+// flush), against the one beyond the threshold (32-column dQ slices): 1.00-1.08x at 512, 0.97-1.00x at 1024,
+// 0.93-0.96x from 2048 on, where each CTA's many visits hide the global loads of lse and D.
 template <class T>
 struct BwdShortOf {
   using type = void;
@@ -191,8 +190,8 @@ struct BwdShortOf<BwdTraits<E, 64, m, n, w, a, b, c, dbl, SmemClass::kLarge, dq,
 };
 
 // Whether a backward call takes BwdShortOf's configuration (where there is one): its longest query sequence
-// (varlen: seqlen_q, an upper bound) is at most 1024 rows.
-inline bool backward_short(AttnParams const& p) { return p.seqlen_q <= 1024; }
+// (varlen: seqlen_q, an upper bound) is at most 512 rows.
+inline bool backward_short(AttnParams const& p) { return p.seqlen_q <= 512; }
 
 template <class Element, int kHeadDim, SmemClass kClass>
 constexpr int backward_smem_bytes_as() {
