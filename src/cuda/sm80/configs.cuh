@@ -17,8 +17,8 @@
 // 160 and 224 are not multiples of 64). From head dim 160 dQ is computed in column slices (kDqCols), each
 // accumulated before the next: 3-5% faster at 192-256 (224 measured for 160 too); at head dim 64 in 32-column
 // slices, 1.4-3.1% faster from seqlen 1024 on and at causal 512, 0.5% slower at 512 without a mask
-// (gpu-tuning-2026-12-04-5.json), where BwdShortOf's twin runs and keeps the whole width. The 128-row tiles at head dim 64 timed
-// 5-9% faster than 64 rows (bench/results/gpu-tuning-2026-12-01-3.json).
+// (gpu-tuning-2026-12-04-5.json), where BwdShortOf's twin runs and keeps the whole width. The 128-row tiles
+// at head dim 64 timed 5-9% faster than 64 rows (bench/results/gpu-tuning-2026-12-01-3.json).
 // Each has a small-shared-memory twin for sm_86 / sm_89 (SmemClass, params.hpp).
 #pragma once
 
