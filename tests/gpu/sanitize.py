@@ -75,7 +75,7 @@ def main():
                                   headdim=256),
         "deterministic-hd64-bf16": Case(dtype=bf16, batch=2, seqlen_q=300, seqlen_k=300, nheads=4, nheads_k=1,
                                         headdim=64, causal=True, deterministic=True),
-        # Past seqlen_q 1024 head dim 64's backward computes dQ in column slices (configs.cuh).
+        # Past backward_short's seqlen_q (512) head dim 64's backward computes dQ in column slices (configs.cuh).
         "hd64-fp16-long-sliced-dq": Case(dtype=fp16, batch=1, seqlen_q=1100, seqlen_k=1037, nheads=2, nheads_k=1,
                                          headdim=64, causal=True),
         # The small-shared-memory kernels (sm_86 / sm_89), forced by FLARE_CUDA_SMEM_LIMIT (see SMALL_SMEM).

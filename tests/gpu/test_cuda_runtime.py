@@ -159,7 +159,7 @@ DET_CASES = {
     "fp16-window-softcap": Case(dtype=torch.float16, batch=2, seqlen_q=600 if not SMALL else 30,
                                 seqlen_k=600 if not SMALL else 30, nheads=4, nheads_k=4, headdim=64,
                                 window=(64, 0), softcap=20.0, deterministic=True),
-    # Past seqlen_q 1024 head dim 64's backward computes dQ in column slices (configs.cuh).
+    # Past backward_short's seqlen_q (512) head dim 64's backward computes dQ in column slices (configs.cuh).
     "hd64-long-gqa": Case(batch=1, seqlen_q=1100 if not SMALL else 45, seqlen_k=1100 if not SMALL else 45, nheads=4,
                           nheads_k=2, headdim=64, deterministic=True),
     "varlen": Case(seqlens_q=[300, 0, 1000, 17] if not SMALL else [30, 0, 41, 7],

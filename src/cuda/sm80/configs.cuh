@@ -87,6 +87,7 @@ struct FwdConfigOf {
 // Whether a call's rows see few enough key tiles for FwdConfigOf::PlainFewKeys (seqlen_k: the longest key
 // sequence, varlen an upper bound).
 inline bool forward_few_keys(AttnParams const& p) { return p.seqlen_k <= 1024; }
+
 template <class Element, int kHeadDim, FwdShape kShape = FwdShape::kLong, SmemClass kClass = SmemClass::kLarge>
 using FwdConfig = typename FwdConfigOf<Element, kHeadDim, kShape, kClass>::type;
 
