@@ -32,10 +32,11 @@ template <class T>
 struct BackwardScratch {
   int64_t dp = 0, dvp = 0;  // head dims padded to the vector width: the width of every product
   int64_t ld = 0, ldv = 0;  // row strides of K, Q, dK, dQ (ld) and dO, dV (ldv): padded_ld, B operands
-  int64_t ldt = 0;          // row stride of the K^T and V^T panels (headdim rows of kBk keys)
   // One group's packs: shared by all threads, or one per thread with private groups.
   struct Pack {
-    T *k, *kt, *vt, *dk, *dv;     // per group: K rows, K^T and V^T panels, dK and dV accumulators
+    // Per group: K rows, K^T and V^T (headdim x kBk per key block, in the B-panel layout: PanelsB), dK and
+    // dV accumulators.
+    T *k, *kt, *vt, *dk, *dv;
     T *q, *dout, *delta, *lse;    // per query head: scaled Q, dO, rowsum(dO * O), lse
   };
   struct PerThread {
@@ -51,13 +52,11 @@ struct BackwardScratch {
     dvp = round_up(p.headdim_v, W);
     ld = padded_ld<T>(p.headdim);
     ldv = padded_ld<T>(p.headdim_v);
-    ldt = padded_ld<T>(Tiles::kBk);
     const int64_t nk = round_up(p.seqlen_k, Tiles::kBk), nq = round_up(p.seqlen_q, Tiles::kBq);
     const int packs = use_private_groups(p, nt) ? nt : 1;
     Pack* pack = a.take<Pack>(packs);
     for (int i = 0; i < packs; ++i) {
-      Pack pk{a.take<T>(nk * ld), a.take<T>(nk / Tiles::kBk * p.headdim * ldt),
-              a.take<T>(nk / Tiles::kBk * p.headdim_v * ldt), a.take<T>(nk * ld),
+      Pack pk{a.take<T>(nk * ld), a.take<T>(nk * p.headdim), a.take<T>(nk * p.headdim_v), a.take<T>(nk * ld),
               a.take<T>(nk * ldv), a.take<T>(nq * ld), a.take<T>(nq * ldv), a.take<T>(nq), a.take<T>(nq)};
       if (pack) pack[i] = pk;
     }
@@ -80,8 +79,9 @@ inline void pack_backward_keys(const Problem& p, const RowPtr& krows, const RowP
   const int64_t d = p.headdim, dv = p.headdim_v;
   const auto& pk = *t.pack;
   T* row_buf = t.s;
-  T* kt = pk.kt + kb * d * ws.ldt;
-  T* vt = pk.vt + kb * dv * ws.ldt;
+  constexpr int64_t w = kPanelCols<T>;
+  T* kt = pk.kt + kb * d * Bk;
+  T* vt = pk.vt + kb * dv * Bk;
   const int64_t kbytes = d * dtype_size(p.dtype), vbytes = dv * dtype_size(p.dtype);
   for (int64_t jj = 0; jj < Bk; ++jj) {
     const int64_t j = kb * Bk + jj;
@@ -90,13 +90,17 @@ inline void pack_backward_keys(const Problem& p, const RowPtr& krows, const RowP
     T* kr = pk.k + j * ws.ld;
     for (int64_t c = 0; c < ws.dp; ++c) kr[c] = T(0);
     if (j < seqlen_k) load_row<T>(krows.row(j), p.dtype, kr, d, T(1));
-    for (int64_t c = 0; c < d; ++c) kt[c * ws.ldt + jj] = kr[c];
+    // Column jj of K^T and of V^T: stride = the width of its panel.
+    const int64_t stride = smin(w, Bk - jj / w * w);
+    T* ktcol = kt + panel_offset(0, jj, d, Bk, w);
+    T* vtcol = vt + panel_offset(0, jj, dv, Bk, w);
+    for (int64_t c = 0; c < d; ++c) ktcol[c * stride] = kr[c];
     if (j < seqlen_k) {
       load_row<T>(vrows.row(j), p.dtype, row_buf, dv, T(1));
     } else {
       for (int64_t c = 0; c < dv; ++c) row_buf[c] = T(0);
     }
-    for (int64_t c = 0; c < dv; ++c) vt[c * ws.ldt + jj] = row_buf[c];
+    for (int64_t c = 0; c < dv; ++c) vtcol[c * stride] = row_buf[c];
     for (int64_t c = 0; c < ws.dp; ++c) pk.dk[j * ws.ld + c] = T(0);
     for (int64_t c = 0; c < ws.dvp; ++c) pk.dv[j * ws.ldv + c] = T(0);
   }
@@ -153,7 +157,7 @@ inline void backward_tile(const Problem& p, const Sequence& seq, int64_t h, int6
   const T* q = pk.q + i0 * ld;
   const T* dout = pk.dout + i0 * ldv;
 
-  gemm_tile<T, false>(Bq, Bk, d, q, ld, pk.kt + kb * d * ws.ldt, ws.ldt, t.s, Bk);
+  gemm_tile_panels<T, false>(Bq, Bk, d, q, ld, PanelsB<T>{pk.kt + kb * d * Bk, d, Bk}, t.s, Bk);
   const ScoreShape shape = score_shape(p, seq, h);
   if (shape.softcap > 0 || shape.alibi || !block_fully_visible(mask, i0, rows, j0, Bk))
     shape_scores<T>(t.s, Bk, rows, Bk, i0, j0, mask, shape, t.tanh);
@@ -161,10 +165,10 @@ inline void backward_tile(const Problem& p, const Sequence& seq, int64_t h, int6
   for (int64_t r = 0; r < Bq; ++r) {
     T* srow = t.s + r * Bk;
     const T lse = pk.lse[i0 + r];
-    for (int64_t c = 0; c < Bk; c += W) vstore(srow + c, vexp(vload(srow + c) - lse));
+    for (int64_t c = 0; c < Bk; c += W) vstore(srow + c, RowExpFull::apply(vload(srow + c), T(1), lse));
   }
   gemm_tile<T, true, true>(Bk, dvp, Bq, t.s, Bk, dout, ldv, pk.dv + j0 * ldv, ldv);  // dV += P^T dO
-  gemm_tile<T, false>(Bq, Bk, dv, dout, ldv, pk.vt + kb * dv * ws.ldt, ws.ldt, t.dp, Bk);  // dP = dO V^T
+  gemm_tile_panels<T, false>(Bq, Bk, dv, dout, ldv, PanelsB<T>{pk.vt + kb * dv * Bk, dv, Bk}, t.dp, Bk);  // dP = dO V^T
   for (int64_t r = rows; r < Bq; ++r)  // padding rows: dS = 0 (their tanh entries were never written)
     for (int64_t c = 0; c < Bk; c += W) vstore(t.dp + r * Bk + c, V{});
   for (int64_t r = 0; r < rows; ++r) {

@@ -40,7 +40,7 @@ struct Bf16PairOps {
 template <bool Accumulate, bool TransA = false>
 inline void dot_gemm(int64_t m, int64_t n, int64_t k_pairs, const uint32_t* a, int64_t lda, const uint32_t* b,
                      int64_t ldb, float* c, int64_t ldc) {
-  gemm_tile_of<Bf16PairOps, Accumulate, TransA>(m, n, k_pairs, a, lda, b, ldb, c, ldc);
+  gemm_tile_of<Bf16PairOps, Accumulate, TransA>(m, n, k_pairs, a, lda, RowsB<uint32_t>{b, ldb}, c, ldc);
 }
 
 // The pair word of src[2 q], src[2 q + 1] where src has len elements (0 past the end, nullptr: 0).

@@ -32,10 +32,11 @@ inline int64_t max_keys(const Problem& p) {
 template <class T>
 struct ForwardScratch {
   int64_t dp = 0, dvp = 0;  // head dims padded to the vector width
-  int64_t ldkt = 0, ldv = 0;  // row strides of the K^T panels and V rows (padded_ld: B operands)
   struct PerThread {
-    T* kt;  // the key pack in use (shared or private): per block a (headdim x kBk) K^T panel, stride ldkt
-    T* v;   // and (kBk x dvp) V rows, stride ldv
+    // The key pack in use (shared or private), per block of kBk keys: K^T (headdim x kBk) and V (kBk x dvp),
+    // both in the B-panel layout of the products that read them (PanelsB, tile_gemm.hpp).
+    T* kt;
+    T* v;
     T *q, *s, *p, *o, *m, *l;  // Q tile, scores, probabilities, output accumulator, running max and sum
   };
   PerThread* threads = nullptr;
@@ -45,14 +46,12 @@ struct ForwardScratch {
     constexpr int W = Simd<T>::W;
     dp = round_up(p.headdim, W);
     dvp = round_up(p.headdim_v, W);
-    ldkt = padded_ld<T>(Tiles::kBk);
-    ldv = padded_ld<T>(p.headdim_v);
     const int64_t keys = round_up(max_keys(p), Tiles::kBk);
     const int packs = use_private_groups(p, nt) ? nt : 1;
     threads = a.take<PerThread>(nt);
     for (int t = 0; t < nt; ++t) {
-      T* kt = t < packs ? a.take<T>(keys / Tiles::kBk * p.headdim * ldkt) : threads ? threads[0].kt : nullptr;
-      T* v = t < packs ? a.take<T>(keys * ldv) : threads ? threads[0].v : nullptr;
+      T* kt = t < packs ? a.take<T>(keys * p.headdim) : threads ? threads[0].kt : nullptr;
+      T* v = t < packs ? a.take<T>(keys * dvp) : threads ? threads[0].v : nullptr;
       PerThread pt{kt,
                    v,
                    a.take<T>(Tiles::kBq * dp),
@@ -66,44 +65,53 @@ struct ForwardScratch {
   }
 };
 
-// Packs keys [j0, j0 + kBk) of one kv head: K^T panel (headdim x kBk) and V rows (kBk x dvp), zero-padded.
+// The packed K^T and V of key block kb, as B operands of S = Q K^T and O += P V.
+template <class T>
+inline PanelsB<T> key_panels(const Problem& p, const typename ForwardScratch<T>::PerThread& t, int64_t kb) {
+  constexpr int64_t Bk = ForwardTiles<T>::kBk;
+  return {t.kt + kb * p.headdim * Bk, p.headdim, Bk};
+}
+template <class T>
+inline PanelsB<T> value_panels(const ForwardScratch<T>& ws, const typename ForwardScratch<T>::PerThread& t,
+                               int64_t kb) {
+  constexpr int64_t Bk = ForwardTiles<T>::kBk;
+  return {t.v + kb * Bk * ws.dvp, Bk, ws.dvp};
+}
+
+// Packs keys [j0, j0 + kBk) of one kv head: K^T (headdim x kBk) and V (kBk x dvp), zero-padded, in panels.
 template <class T>
 inline void pack_key_block(const Problem& p, const RowPtr& krows, const RowPtr& vrows, int64_t seqlen_k,
                            int64_t kb, const ForwardScratch<T>& ws, const typename ForwardScratch<T>::PerThread& t) {
   constexpr int64_t Bk = ForwardTiles<T>::kBk;
   const int64_t d = p.headdim, dv = p.headdim_v;
-  T* panel = t.kt + kb * d * ws.ldkt;
-  T* vblock = t.v + kb * Bk * ws.ldv;
+  constexpr int64_t w = kPanelCols<T>;
+  T* panel = t.kt + kb * d * Bk;
+  T* vblock = t.v + kb * Bk * ws.dvp;
   T* row_buf = t.q;
   const int64_t kbytes = d * dtype_size(p.dtype), vbytes = dv * dtype_size(p.dtype);
   for (int64_t jj = 0; jj < Bk; ++jj) {
     const int64_t j = kb * Bk + jj;
-    T* vr = vblock + jj * ws.ldv;
     prefetch_ahead(krows, j, seqlen_k, kbytes);
     prefetch_ahead(vrows, j, seqlen_k, vbytes);
+    // Column jj of K^T: stride = its panel's width.
+    T* kcol = panel + panel_offset(0, jj, d, Bk, w);
+    const int64_t kstride = smin(w, Bk - jj / w * w);
     if (j < seqlen_k) {
       load_row<T>(krows.row(j), p.dtype, row_buf, d, T(1));
-      for (int64_t c = 0; c < d; ++c) panel[c * ws.ldkt + jj] = row_buf[c];
-      load_row<T>(vrows.row(j), p.dtype, vr, dv, T(1));
+      for (int64_t c = 0; c < d; ++c) kcol[c * kstride] = row_buf[c];
+      load_row<T>(vrows.row(j), p.dtype, row_buf, dv, T(1));
     } else {
-      for (int64_t c = 0; c < d; ++c) panel[c * ws.ldkt + jj] = T(0);
-      for (int64_t c = 0; c < dv; ++c) vr[c] = T(0);
+      for (int64_t c = 0; c < d; ++c) kcol[c * kstride] = T(0);
+      for (int64_t c = 0; c < dv; ++c) row_buf[c] = T(0);
     }
-    for (int64_t c = dv; c < ws.dvp; ++c) vr[c] = T(0);
+    for (int64_t c = dv; c < ws.dvp; ++c) row_buf[c] = T(0);
+    // Row jj of V: a piece of each panel.
+    for (int64_t c0 = 0; c0 < ws.dvp; c0 += w) {
+      T* vr = vblock + panel_offset(jj, c0, Bk, ws.dvp, w);
+      for (int64_t c = c0; c < smin(c0 + w, ws.dvp); ++c) vr[c - c0] = row_buf[c];
+    }
   }
 }
-
-// How a row's exponentials exp(scale * s - m) are formed, to the compute type's accuracy: for float lanes on
-// AVX-512 as 2^(s * scale log2 e - m log2 e) (vexp2<6>, two instructions fewer per vector), else vexp.
-struct RowExpFull {
-  template <class V, class T>
-  static V apply(V x, T scale, T m) {
-#if defined(__AVX512F__) && FLARE_VEC_BYTES == 64
-    if constexpr (std::is_same_v<T, float>) return vexp2<6>(x * (scale * kLog2e) - m * kLog2e);
-#endif
-    return vexp(x * scale - m);
-  }
-};
 
 // Online softmax over one block of a row. The row's scores are scale * s[c] (scale > 0, so the max can be
 // taken before scaling); emit(c, p) receives p = exp(scale * s - m') for each vector at column c, the
@@ -130,7 +138,7 @@ inline T online_softmax_row(const T* s, int64_t n, T scale, T& m, T& l, Emit emi
       sum += e;
       emit(c, e);
     }
-    if (hmax(mx) * scale <= m + kRescaleMargin) {
+    if (all_at_most(mx, (m + kRescaleMargin) / scale)) {
       l += hsum(sum);
       return T(1);
     }
@@ -209,7 +217,7 @@ inline void forward_tile(const Problem& p, const Sequence& seq, int64_t h, int64
     const int64_t j0 = kb * Bk;
     // The last block is cut after the last visible key (causal diagonals, short sequences).
     const int64_t cols = smin(Bk, round_up(last + 1 - j0, W));
-    gemm_tile<T, false>(Bq, cols, d, t.q, dp, t.kt + kb * d * ws.ldkt, ws.ldkt, t.s, Bk);
+    gemm_tile_panels<T, false>(Bq, cols, d, t.q, dp, key_panels<T>(p, t, kb), t.s, Bk);
     if (!plain || !block_fully_visible(mask, i0, rows, j0, cols))
       shape_scores<T>(t.s, Bk, rows, cols, i0, j0, mask, shape, nullptr);
     for (int64_t r = 0; r < rows; ++r) {
@@ -220,7 +228,7 @@ inline void forward_tile(const Problem& p, const Sequence& seq, int64_t h, int64
     }
     for (int64_t r = rows; r < Bq; ++r)
       for (int64_t c = 0; c < cols; c += W) vstore(t.p + r * Bk + c, V{});
-    gemm_tile<T, true>(Bq, dvp, cols, t.p, Bk, t.v + kb * Bk * ws.ldv, ws.ldv, t.o, dvp);
+    gemm_tile_panels<T, true>(Bq, dvp, cols, t.p, Bk, value_panels<T>(ws, t, kb), t.o, dvp);
   }
 
   finish_rows<T>(p, t.o, dvp, t.m, t.l, rows, orows, lse, i0);

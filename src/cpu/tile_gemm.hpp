@@ -40,6 +40,36 @@ inline int64_t padded_ld(int64_t n) {
   return (ld * static_cast<int64_t>(sizeof(T))) % 128 == 0 ? ld + kLine : ld;
 }
 
+// A B operand stored row-major: row k at b + k * ldb (padded_ld for packed operands).
+template <class In>
+struct RowsB {
+  const In* b;
+  int64_t ldb;
+  // The column panel that starts at column col (width: the micro-kernel's panel width): its first row and
+  // the distance between its rows.
+  const In* panel(int64_t col, int64_t /*width*/) const { return b + col; }
+  int64_t panel_ld(int64_t /*col*/, int64_t /*width*/) const { return ldb; }
+};
+
+// A B operand packed as the micro-kernel walks it: column panels of `width` columns (the micro-kernel's
+// kCols vectors; the last panel narrower), one after the other, each with its k_stored rows contiguous. A
+// panel is then one sequential stream: no set conflicts in L1 and nothing for the hardware prefetcher to
+// guess. Measured on a 64 x 128 x 128 product whose B blocks stream from L3 (Zen 4, the forward's key and
+// value packs at seqlen 8192): ~10% faster than rows at padded_ld. Element (k, n) lies at
+// panel_offset(k, n, k_stored, n_stored, width).
+template <class In>
+struct PanelsB {
+  const In* b;
+  int64_t k_stored, n_stored;
+  const In* panel(int64_t col, int64_t /*width*/) const { return b + col * k_stored; }
+  int64_t panel_ld(int64_t col, int64_t width) const { return n_stored - col < width ? n_stored - col : width; }
+};
+
+inline int64_t panel_offset(int64_t k, int64_t n, int64_t k_stored, int64_t n_stored, int64_t width) {
+  const int64_t col = n / width * width;
+  return col * k_stored + k * (n_stored - col < width ? n_stored - col : width) + (n - col);
+}
+
 // The arithmetic of one product, as the micro-kernel sees it: In is one element of A and B along k (fp32 /
 // fp64 here; a pair of bf16 in dot_bf16.hpp), Acc an element of C; VA, VB and VC the vectors of a
 // broadcast A element, of W columns of B and of W columns of C; madd(c, a, b) accumulates one step of k.
@@ -62,11 +92,14 @@ template <class Ops, int R, int NV, bool Accumulate, bool TransA = false>
 inline void gemm_micro(const typename Ops::In* __restrict a, int64_t lda, const typename Ops::In* __restrict b,
                        int64_t ldb, typename Ops::Acc* __restrict c, int64_t ldc, int64_t k_len) {
   constexpr int W = Ops::W;
+  // The block starts from zero even when accumulating: C is added once, after the k loop. Loaded first, C
+  // put its load latency (often an L2 miss: the B panel streams through L1 between visits to C) in front
+  // of every accumulator's first multiply-add; measured 6-9% slower on a 64 x 128 x 128 tile (Zen 4).
   typename Ops::VC acc[R][NV];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) acc[r][v] = Accumulate ? Ops::load_c(c + r * ldc + v * W) : typename Ops::VC{};
+    for (int v = 0; v < NV; ++v) acc[r][v] = typename Ops::VC{};
   for (int64_t k = 0; k < k_len; ++k) {
     typename Ops::VB bv[NV];
 #pragma GCC unroll 16
@@ -81,7 +114,8 @@ inline void gemm_micro(const typename Ops::In* __restrict a, int64_t lda, const 
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) Ops::store_c(c + r * ldc + v * W, acc[r][v]);
+    for (int v = 0; v < NV; ++v)
+      Ops::store_c(c + r * ldc + v * W, Accumulate ? acc[r][v] + Ops::load_c(c + r * ldc + v * W) : acc[r][v]);
 }
 
 // Rows [row, row + rows) of C against one column panel of NV vectors; rows <= kRows picks the micro-kernel.
@@ -100,10 +134,11 @@ inline void gemm_rows(int64_t rows, const typename Ops::In* a, int64_t lda, cons
 }
 
 // Runs the micro-kernels over an M x N tile with the arithmetic of Ops: full kRows x kCols blocks, then the
-// last rows and the last, narrower column panel. k_len counts Ops::In elements (steps of k).
-template <class Ops, bool Accumulate, bool TransA = false>
-inline void gemm_tile_of(int64_t m, int64_t n, int64_t k_len, const typename Ops::In* a, int64_t lda,
-                         const typename Ops::In* b, int64_t ldb, typename Ops::Acc* c, int64_t ldc) {
+// last rows and the last, narrower column panel. k_len counts Ops::In elements (steps of k). B is a RowsB
+// or a PanelsB (whose panels are kCols * W wide: kPanelCols).
+template <class Ops, bool Accumulate, bool TransA = false, class B>
+inline void gemm_tile_of(int64_t m, int64_t n, int64_t k_len, const typename Ops::In* a, int64_t lda, const B& b,
+                         typename Ops::Acc* c, int64_t ldc) {
   // Row `row` of A starts at a + row * lda, or at column `row` of the stored transpose.
   const auto a_rows = [&](int64_t row) { return TransA ? a + row : a + row * lda; };
   constexpr int R = GemmShape<typename Ops::Acc>::kRows;
@@ -111,28 +146,44 @@ inline void gemm_tile_of(int64_t m, int64_t n, int64_t k_len, const typename Ops
   constexpr int W = Ops::W;
   static_assert(R <= 6, "gemm_rows handles up to 6 rows");
   int64_t col = 0;
-  for (; col + NV * W <= n; col += NV * W)
+  for (; col + NV * W <= n; col += NV * W) {
+    const auto* bp = b.panel(col, NV * W);
+    const int64_t ldb = b.panel_ld(col, NV * W);
     for (int64_t row = 0; row < m; row += R)
-      gemm_rows<Ops, NV, Accumulate, TransA>(smin<int64_t>(R, m - row), a_rows(row), lda, b + col, ldb,
+      gemm_rows<Ops, NV, Accumulate, TransA>(smin<int64_t>(R, m - row), a_rows(row), lda, bp, ldb,
                                             c + row * ldc + col, ldc, k_len);
+  }
   const int64_t rest = (n - col) / W;
+  const auto* bp = b.panel(col, NV * W);
+  const int64_t ldb = b.panel_ld(col, NV * W);
   for (int64_t row = 0; row < m && rest > 0; row += R) {
     const int64_t rows = smin<int64_t>(R, m - row);
     const auto* ar = a_rows(row);
     auto* cr = c + row * ldc + col;
     switch (rest) {
-      case 1: gemm_rows<Ops, 1, Accumulate, TransA>(rows, ar, lda, b + col, ldb, cr, ldc, k_len); break;
-      case 2: gemm_rows<Ops, 2, Accumulate, TransA>(rows, ar, lda, b + col, ldb, cr, ldc, k_len); break;
-      default: gemm_rows<Ops, 3, Accumulate, TransA>(rows, ar, lda, b + col, ldb, cr, ldc, k_len); break;
+      case 1: gemm_rows<Ops, 1, Accumulate, TransA>(rows, ar, lda, bp, ldb, cr, ldc, k_len); break;
+      case 2: gemm_rows<Ops, 2, Accumulate, TransA>(rows, ar, lda, bp, ldb, cr, ldc, k_len); break;
+      default: gemm_rows<Ops, 3, Accumulate, TransA>(rows, ar, lda, bp, ldb, cr, ldc, k_len); break;
     }
   }
 }
+
+// The width of a PanelsB panel for the FMA product of T.
+template <class T>
+inline constexpr int64_t kPanelCols = GemmShape<T>::kCols * Simd<T>::W;
 
 // The fp32/fp64 FMA product: C (+)= A * B in the compute type T.
 template <class T, bool Accumulate, bool TransA = false>
 inline void gemm_tile(int64_t m, int64_t n, int64_t k_len, const T* a, int64_t lda, const T* b, int64_t ldb,
                       T* c, int64_t ldc) {
-  gemm_tile_of<FmaOps<T>, Accumulate, TransA>(m, n, k_len, a, lda, b, ldb, c, ldc);
+  gemm_tile_of<FmaOps<T>, Accumulate, TransA>(m, n, k_len, a, lda, RowsB<T>{b, ldb}, c, ldc);
+}
+
+// The same with B packed in panels of kPanelCols<T> columns (k_stored x n_stored: PanelsB).
+template <class T, bool Accumulate, bool TransA = false>
+inline void gemm_tile_panels(int64_t m, int64_t n, int64_t k_len, const T* a, int64_t lda, const PanelsB<T>& b, T* c,
+                             int64_t ldc) {
+  gemm_tile_of<FmaOps<T>, Accumulate, TransA>(m, n, k_len, a, lda, b, c, ldc);
 }
 
 }  // namespace flare::cpu::FLARE_ISA
