@@ -70,39 +70,47 @@ struct BackwardScratch {
   }
 };
 
-// Packs key block kb of one kv head: K rows (padded to dp), K^T and V^T panels, and zeroes dK/dV.
+// Packs key block kb of one kv head: K rows (padded to dp), K^T and V^T panels, and zeroes dK/dV. K^T and
+// V^T are transposed W keys at a time (transpose_square): K from its packed rows, V from rows staged in the
+// scores tile.
 template <class T>
 inline void pack_backward_keys(const Problem& p, const RowPtr& krows, const RowPtr& vrows, int64_t seqlen_k,
                                int64_t kb, const BackwardScratch<T>& ws,
                                const typename BackwardScratch<T>::PerThread& t) {
   constexpr int64_t Bk = BackwardTiles<T>::kBk;
+  constexpr int W = Simd<T>::W;
+  constexpr int64_t w = kPanelCols<T>;
   const int64_t d = p.headdim, dv = p.headdim_v;
   const auto& pk = *t.pack;
-  T* row_buf = t.s;
-  constexpr int64_t w = kPanelCols<T>;
+  T* vstage = t.s;  // W value rows of dvp
   T* kt = pk.kt + kb * d * Bk;
   T* vt = pk.vt + kb * dv * Bk;
   const int64_t kbytes = d * dtype_size(p.dtype), vbytes = dv * dtype_size(p.dtype);
-  for (int64_t jj = 0; jj < Bk; ++jj) {
-    const int64_t j = kb * Bk + jj;
-    prefetch_ahead(krows, j, seqlen_k, kbytes);
-    prefetch_ahead(vrows, j, seqlen_k, vbytes);
-    T* kr = pk.k + j * ws.ld;
-    for (int64_t c = 0; c < ws.dp; ++c) kr[c] = T(0);
-    if (j < seqlen_k) load_row<T>(krows.row(j), p.dtype, kr, d, T(1));
-    // Column jj of K^T and of V^T: stride = the width of its panel.
-    const int64_t stride = smin(w, Bk - jj / w * w);
-    T* ktcol = kt + panel_offset(0, jj, d, Bk, w);
-    T* vtcol = vt + panel_offset(0, jj, dv, Bk, w);
-    for (int64_t c = 0; c < d; ++c) ktcol[c * stride] = kr[c];
-    if (j < seqlen_k) {
-      load_row<T>(vrows.row(j), p.dtype, row_buf, dv, T(1));
-    } else {
-      for (int64_t c = 0; c < dv; ++c) row_buf[c] = T(0);
+  for (int64_t jj0 = 0; jj0 < Bk; jj0 += W) {
+    for (int64_t i = 0; i < W; ++i) {
+      const int64_t j = kb * Bk + jj0 + i;
+      prefetch_ahead(krows, j, seqlen_k, kbytes);
+      prefetch_ahead(vrows, j, seqlen_k, vbytes);
+      T* kr = pk.k + j * ws.ld;
+      T* vr = vstage + i * ws.dvp;
+      for (int64_t c = 0; c < ws.dp; ++c) kr[c] = T(0);
+      for (int64_t c = 0; c < ws.dvp; ++c) vr[c] = T(0);
+      if (j < seqlen_k) {
+        load_row<T>(krows.row(j), p.dtype, kr, d, T(1));
+        load_row<T>(vrows.row(j), p.dtype, vr, dv, T(1));
+      }
+      for (int64_t c = 0; c < ws.dp; ++c) pk.dk[j * ws.ld + c] = T(0);
+      for (int64_t c = 0; c < ws.dvp; ++c) pk.dv[j * ws.ldv + c] = T(0);
     }
-    for (int64_t c = 0; c < dv; ++c) vtcol[c * stride] = row_buf[c];
-    for (int64_t c = 0; c < ws.dp; ++c) pk.dk[j * ws.ld + c] = T(0);
-    for (int64_t c = 0; c < ws.dvp; ++c) pk.dv[j * ws.ldv + c] = T(0);
+    // Columns jj0 .. jj0 + W of K^T and V^T: a W-wide piece of each row, whose stride is the panel's width.
+    const int64_t stride = smin(w, Bk - jj0 / w * w);
+    T* ktcols = kt + panel_offset(0, jj0, d, Bk, w);
+    T* vtcols = vt + panel_offset(0, jj0, dv, Bk, w);
+    const T* krows_in = pk.k + (kb * Bk + jj0) * ws.ld;
+    for (int64_t c0 = 0; c0 < d; c0 += W)
+      transpose_square<T>(krows_in + c0, ws.ld, ktcols + c0 * stride, stride, smin<int64_t>(W, d - c0));
+    for (int64_t c0 = 0; c0 < dv; c0 += W)
+      transpose_square<T>(vstage + c0, ws.dvp, vtcols + c0 * stride, stride, smin<int64_t>(W, dv - c0));
   }
 }
 
@@ -135,9 +143,10 @@ inline void pack_backward_queries(const Problem& p, const Sequence& seq, int64_t
     load_row<T>(qrows.row(i), p.dtype, qr, d, static_cast<T>(p.score.scale));
     load_row<T>(dorows.row(i), p.dtype, dor, dv, T(1));
     load_row<T>(orows.row(i), p.dtype, row_buf, dv, T(1));
-    T delta = 0;
-    for (int64_t c = 0; c < dv; ++c) delta += dor[c] * row_buf[c];
-    pk.delta[i] = delta;
+    for (int64_t c = dv; c < ws.dvp; ++c) row_buf[c] = T(0);
+    vec_t<T> delta{};
+    for (int64_t c = 0; c < ws.dvp; c += Simd<T>::W) delta += vload(dor + c) * vload(row_buf + c);
+    pk.delta[i] = hsum(delta);
     if (lse[i] != kNegInf) pk.lse[i] = static_cast<T>(lse[i]);
   }
 }

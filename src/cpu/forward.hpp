@@ -87,37 +87,45 @@ inline PanelsB<T> value_panels(const ForwardScratch<T>& ws, const typename Forwa
 }
 
 // Packs keys [j0, j0 + kBk) of one kv head: K^T (headdim x kBk) and V (kBk x dvp), zero-padded, in panels.
+// K is transposed W keys at a time (transpose_square) from rows staged in the scores tile.
 template <class T>
 inline void pack_key_block(const Problem& p, const RowPtr& krows, const RowPtr& vrows, int64_t seqlen_k,
                            int64_t kb, const ForwardScratch<T>& ws, const typename ForwardScratch<T>::PerThread& t) {
   constexpr int64_t Bk = ForwardTiles<T>::kBk;
-  const int64_t d = p.headdim, dv = p.headdim_v;
+  constexpr int W = Simd<T>::W;
   constexpr int64_t w = kPanelCols<T>;
+  const int64_t d = p.headdim, dv = p.headdim_v, dp = ws.dp;
   T* panel = t.kt + kb * d * Bk;
   T* vblock = t.v + kb * Bk * ws.dvp;
+  T* stage = t.s;  // W key rows of dp
   T* row_buf = t.q;
   const int64_t kbytes = d * dtype_size(p.dtype), vbytes = dv * dtype_size(p.dtype);
-  for (int64_t jj = 0; jj < Bk; ++jj) {
-    const int64_t j = kb * Bk + jj;
-    prefetch_ahead(krows, j, seqlen_k, kbytes);
-    prefetch_ahead(vrows, j, seqlen_k, vbytes);
-    // Column jj of K^T: stride = its panel's width.
-    T* kcol = panel + panel_offset(0, jj, d, Bk, w);
-    const int64_t kstride = smin(w, Bk - jj / w * w);
-    if (j < seqlen_k) {
-      load_row<T>(krows.row(j), p.dtype, row_buf, d, T(1));
-      for (int64_t c = 0; c < d; ++c) kcol[c * kstride] = row_buf[c];
-      load_row<T>(vrows.row(j), p.dtype, row_buf, dv, T(1));
-    } else {
-      for (int64_t c = 0; c < d; ++c) kcol[c * kstride] = T(0);
-      for (int64_t c = 0; c < dv; ++c) row_buf[c] = T(0);
+  for (int64_t jj0 = 0; jj0 < Bk; jj0 += W) {
+    for (int64_t i = 0; i < W; ++i) {
+      const int64_t jj = jj0 + i, j = kb * Bk + jj;
+      prefetch_ahead(krows, j, seqlen_k, kbytes);
+      prefetch_ahead(vrows, j, seqlen_k, vbytes);
+      T* kr = stage + i * dp;
+      if (j < seqlen_k) {
+        load_row<T>(krows.row(j), p.dtype, kr, d, T(1));
+        load_row<T>(vrows.row(j), p.dtype, row_buf, dv, T(1));
+      } else {
+        for (int64_t c = 0; c < d; ++c) kr[c] = T(0);
+        for (int64_t c = 0; c < dv; ++c) row_buf[c] = T(0);
+      }
+      for (int64_t c = d; c < dp; ++c) kr[c] = T(0);
+      for (int64_t c = dv; c < ws.dvp; ++c) row_buf[c] = T(0);
+      // Row jj of V: a piece of each panel.
+      for (int64_t c0 = 0; c0 < ws.dvp; c0 += w) {
+        T* vr = vblock + panel_offset(jj, c0, Bk, ws.dvp, w);
+        for (int64_t c = c0; c < smin(c0 + w, ws.dvp); ++c) vr[c - c0] = row_buf[c];
+      }
     }
-    for (int64_t c = dv; c < ws.dvp; ++c) row_buf[c] = T(0);
-    // Row jj of V: a piece of each panel.
-    for (int64_t c0 = 0; c0 < ws.dvp; c0 += w) {
-      T* vr = vblock + panel_offset(jj, c0, Bk, ws.dvp, w);
-      for (int64_t c = c0; c < smin(c0 + w, ws.dvp); ++c) vr[c - c0] = row_buf[c];
-    }
+    // Columns jj0 .. jj0 + W of K^T: a W-wide piece of each of its rows, whose stride is the panel's width.
+    T* kcols = panel + panel_offset(0, jj0, d, Bk, w);
+    const int64_t stride = smin(w, Bk - jj0 / w * w);
+    for (int64_t c0 = 0; c0 < d; c0 += W)
+      transpose_square<T>(stage + c0, dp, kcols + c0 * stride, stride, smin<int64_t>(W, d - c0));
   }
 }
 

@@ -70,6 +70,57 @@ inline int64_t panel_offset(int64_t k, int64_t n, int64_t k_stored, int64_t n_st
   return col * k_stored + k * (n_stored - col < width ? n_stored - col : width) + (n - col);
 }
 
+// dst[x * dst_ld + i] = src[i * src_ld + x] for i < W and x < n_out (n_out <= W): the transpose of a W x W
+// square, as the key packs need it (W keys' rows in, W-key pieces of K^T / V^T rows out). For float lanes on
+// AVX-512 in registers: 64 shuffles and 16 vector stores for what takes 256 scalar stores, one at a time,
+// otherwise.
+template <class T>
+inline void transpose_square(const T* src, int64_t src_ld, T* dst, int64_t dst_ld, int64_t n_out) {
+  constexpr int W = Simd<T>::W;
+#if defined(__AVX512F__) && FLARE_VEC_BYTES == 64
+  if constexpr (std::is_same_v<T, float>) {
+    // The masked forms with a full mask and explicit pass-through: GCC 12 warns on the unmasked ones'
+    // undefined operand (as in simd.hpp).
+    const auto lo_ps = [](__m512 a, __m512 b) { return _mm512_mask_unpacklo_ps(a, 0xffff, a, b); };
+    const auto hi_ps = [](__m512 a, __m512 b) { return _mm512_mask_unpackhi_ps(a, 0xffff, a, b); };
+    const auto lo_pd = [](__m512 a, __m512 b) {
+      const __m512d x = _mm512_castps_pd(a);
+      return _mm512_castpd_ps(_mm512_mask_unpacklo_pd(x, 0xff, x, _mm512_castps_pd(b)));
+    };
+    const auto hi_pd = [](__m512 a, __m512 b) {
+      const __m512d x = _mm512_castps_pd(a);
+      return _mm512_castpd_ps(_mm512_mask_unpackhi_pd(x, 0xff, x, _mm512_castps_pd(b)));
+    };
+    // Lanes 0 and 2 of a then of b (0x88), or lanes 1 and 3 (0xdd).
+    const auto even_lanes = [](__m512 a, __m512 b) { return _mm512_mask_shuffle_f32x4(a, 0xffff, a, b, 0x88); };
+    const auto odd_lanes = [](__m512 a, __m512 b) { return _mm512_mask_shuffle_f32x4(a, 0xffff, a, b, 0xdd); };
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * src_ld);
+    // Pairs of rows interleaved by element, then pairs of pairs by element pair: t[4 q + k] holds, in each
+    // 128-bit lane L, column 4 L + k of rows 4 q .. 4 q + 3.
+    for (int q = 0; q < 4; ++q) {
+      const __m512 lo01 = lo_ps(r[4 * q], r[4 * q + 1]), hi01 = hi_ps(r[4 * q], r[4 * q + 1]);
+      const __m512 lo23 = lo_ps(r[4 * q + 2], r[4 * q + 3]), hi23 = hi_ps(r[4 * q + 2], r[4 * q + 3]);
+      t[4 * q + 0] = lo_pd(lo01, lo23);
+      t[4 * q + 1] = hi_pd(lo01, lo23);
+      t[4 * q + 2] = lo_pd(hi01, hi23);
+      t[4 * q + 3] = hi_pd(hi01, hi23);
+    }
+    // Then the 128-bit lanes: column 4 L + k is lane L of t[k], t[4 + k], t[8 + k], t[12 + k].
+    for (int k = 0; k < 4; ++k) {
+      const __m512 a02 = even_lanes(t[k], t[4 + k]), a13 = odd_lanes(t[k], t[4 + k]);
+      const __m512 b02 = even_lanes(t[8 + k], t[12 + k]), b13 = odd_lanes(t[8 + k], t[12 + k]);
+      const __m512 col[4] = {even_lanes(a02, b02), even_lanes(a13, b13), odd_lanes(a02, b02), odd_lanes(a13, b13)};
+      for (int l = 0; l < 4; ++l)
+        if (4 * l + k < n_out) _mm512_storeu_ps(dst + (4 * l + k) * dst_ld, col[l]);
+    }
+    return;
+  }
+#endif
+  for (int64_t x = 0; x < n_out; ++x)
+    for (int i = 0; i < W; ++i) dst[x * dst_ld + i] = src[i * src_ld + x];
+}
+
 // The arithmetic of one product, as the micro-kernel sees it: In is one element of A and B along k (fp32 /
 // fp64 here; a pair of bf16 in dot_bf16.hpp), Acc an element of C; VA, VB and VC the vectors of a
 // broadcast A element, of W columns of B and of W columns of C; madd(c, a, b) accumulates one step of k.
