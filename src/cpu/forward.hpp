@@ -218,13 +218,15 @@ inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int6
     int64_t i0, rows;
     policy::KeyRange keys;  // visible keys (first > last: none)
     T *q, *o, *m, *l;
+    // Whether o holds anything yet: the first block's product writes it (nothing to zero or rescale first).
+    bool started;
   };
   Tile tiles[G];
   int64_t ntiles = 0, first_block = INT64_MAX, last_block = -1;
   for (int64_t g = 0; g < G && i0 + g * Bq < seq.seqlen_q; ++g, ++ntiles) {
     Tile& tl = tiles[g];
-    tl = {i0 + g * Bq, smin(Bq, seq.seqlen_q - i0 - g * Bq), {}, t.q + g * Bq * dp, t.o + g * Bq * dvp,
-          t.m + g * Bq, t.l + g * Bq};
+    tl = {i0 + g * Bq,      smin(Bq, seq.seqlen_q - i0 - g * Bq), {}, t.q + g * Bq * dp, t.o + g * Bq * dvp,
+          t.m + g * Bq, t.l + g * Bq, false};
     tl.keys = visible_keys(mask, tl.i0, tl.rows, seq.seqlen_k);
     if (tl.keys.first <= tl.keys.last) {
       first_block = smin(first_block, tl.keys.first / Bk);
@@ -241,13 +243,12 @@ inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int6
       tl.m[r] = static_cast<T>(kNegInf);
       tl.l[r] = T(0);
     }
-    for (int64_t x = 0; x < Bq * dvp; x += W) vstore(tl.o + x, V{});
   }
 
   for (int64_t kb = first_block; kb <= last_block; ++kb) {
     const int64_t j0 = kb * Bk;
     for (int64_t g = 0; g < ntiles; ++g) {
-      const Tile& tl = tiles[g];
+      Tile& tl = tiles[g];
       const int64_t first = tl.keys.first, last = tl.keys.last, rows = tl.rows;
       if (first > last || kb < first / Bk || kb > last / Bk) continue;
       // The last block is cut after the last visible key (causal diagonals, short sequences).
@@ -259,11 +260,16 @@ inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int6
         T* prow = t.p + r * Bk;
         const T alpha = online_softmax_row<T>(t.s + r * Bk, cols, T(1), tl.m[r], tl.l[r],
                                               [prow](int64_t c, vec_t<T> e) { vstore(prow + c, e); });
-        if (alpha != T(1)) scale_row<T>(tl.o + r * dvp, dvp, alpha);
+        if (alpha != T(1) && tl.started) scale_row<T>(tl.o + r * dvp, dvp, alpha);
       }
       for (int64_t r = rows; r < Bq; ++r)
         for (int64_t c = 0; c < cols; c += W) vstore(t.p + r * Bk + c, V{});
-      gemm_tile_panels<T, true>(Bq, dvp, cols, t.p, Bk, value_panels<T>(ws, t, kb), tl.o, dvp);
+      if (tl.started) {
+        gemm_tile_panels<T, true>(Bq, dvp, cols, t.p, Bk, value_panels<T>(ws, t, kb), tl.o, dvp);
+      } else {
+        gemm_tile_panels<T, false>(Bq, dvp, cols, t.p, Bk, value_panels<T>(ws, t, kb), tl.o, dvp);
+        tl.started = true;
+      }
     }
   }
 
