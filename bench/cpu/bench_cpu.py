@@ -187,6 +187,26 @@ def time_ms(fn, max_runs, budget_s):
     return statistics.median(times) * 1e3, runs
 
 
+def time_interleaved_ms(fns, max_runs, budget_s):
+    """Median wall time in ms of each of fns (name -> callable) and the number of rounds. After one warm-up
+    call each, the calls alternate round by round (3..max_runs rounds, as many as fit in about budget_s per
+    callable), so that a slow phase of a shared machine falls on all of them alike rather than on whichever
+    happened to be timed then."""
+    warm = 0.0
+    for fn in fns.values():
+        start = time.perf_counter()
+        fn()
+        warm += time.perf_counter() - start
+    rounds = int(min(max_runs, max(3, len(fns) * budget_s / max(warm, 1e-9))))
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}, rounds
+
+
 def proc_status_kib(field):
     with open("/proc/self/status") as f:
         for line in f:
@@ -283,6 +303,10 @@ def run_shape(lib, dtype_name, headdim, causal, seqlen, seed, args, table):
 
     rows = []
     for pass_ in ("fwd", "bwd"):
+        # flare and torch are timed together, their calls alternated; the naive foil on its own after.
+        paired, paired_runs = time_interleaved_ms(
+            {impl: (runners[impl].fwd if pass_ == "fwd" else runners[impl].bwd) for impl in ("flare", "torch-cpu")},
+            args.max_runs, args.budget_s)
         times = {}
         for impl, runner in runners.items():
             if impl == "naive" and not naive_fits[pass_]:
@@ -292,7 +316,10 @@ def run_shape(lib, dtype_name, headdim, causal, seqlen, seed, args, table):
                                              f"{args.naive_budget_gib:g})"))
                 continue
             fn = runner.fwd if pass_ == "fwd" else runner.bwd
-            ms, runs = time_ms(fn, args.max_runs, args.budget_s)
+            if impl in paired:
+                ms, runs = paired[impl], paired_runs
+            else:
+                ms, runs = time_ms(fn, args.max_runs, args.budget_s)
             times[impl] = ms
             extra = {"runs": runs}
             if impl in ("flare", "torch-cpu"):
@@ -500,7 +527,8 @@ def main():
         "flare_version": lib.version(), "flare_cpu_isa": lib.cpu_isa(), "torch": torch.__version__,
         "threads": args.threads,
         "shapes": f"batch = max(1, {args.tokens} // seqlen), nheads = {args.width} // headdim",
-        "timing": f"time.perf_counter, median of 3..{args.max_runs} runs after one warm-up",
+        "timing": f"time.perf_counter, median of 3..{args.max_runs} runs after one warm-up; flare and "
+                  f"torch-cpu calls alternated",
     }
     print(f"flare {meta['flare_version']} ({meta['flare_cpu_isa']}) vs torch {torch.__version__} on "
           f"{meta['device']}, {args.threads} threads; ceilings {ceilings}")

@@ -1,0 +1,46 @@
+"""The CPU benchmark's timing helper: flare's and torch's calls alternate, so a slow phase of a shared
+machine is shared by both sides of a ratio."""
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench" / "cpu"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import bench_cpu  # noqa: E402
+
+
+def test_calls_alternate_and_medians_are_per_callable(monkeypatch):
+    clock = [0.0]
+    order = []
+
+    def fake_clock():
+        return clock[0]
+
+    def make(name, seconds):
+        def call():
+            order.append(name)
+            clock[0] += seconds
+        return call
+
+    monkeypatch.setattr(bench_cpu.time, "perf_counter", fake_clock)
+    ms, rounds = bench_cpu.time_interleaved_ms({"a": make("a", 0.010), "b": make("b", 0.030)},
+                                               max_runs=50, budget_s=0.2)
+    # Warm-up: one call each (0.04 s); 2 callables x 0.2 s budget / 0.04 s = 10 rounds.
+    assert rounds == 10
+    assert order == ["a", "b"] * (rounds + 1)
+    assert abs(ms["a"] - 10.0) < 1e-9 and abs(ms["b"] - 30.0) < 1e-9
+
+
+def test_rounds_stay_within_bounds(monkeypatch):
+    clock = [0.0]
+
+    def slow():
+        clock[0] += 5.0
+
+    monkeypatch.setattr(bench_cpu.time, "perf_counter", lambda: clock[0])
+    _, rounds = bench_cpu.time_interleaved_ms({"x": slow, "y": slow}, max_runs=10, budget_s=1.0)
+    assert rounds == 3  # at least three, however slow
+    clock[0] = 0.0
+    _, rounds = bench_cpu.time_interleaved_ms({"x": lambda: None, "y": lambda: None}, max_runs=7, budget_s=1.0)
+    assert rounds == 7  # at most max_runs, however fast
