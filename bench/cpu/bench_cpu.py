@@ -438,16 +438,24 @@ def git_commit():
 
 
 def cpu_description():
-    model = "unknown CPU"
+    """'<model name> (family F model M), N cores': virtual machines often mask the model name ("AMD EPYC"),
+    and the family and model tell the generations apart (AMD family 25 is Zen 3/4, 26 Zen 5)."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip() and fields:
                     break
     except OSError:
         pass
-    return f"{model}, {os.cpu_count()} cores"
+    name = fields.get("model name", "unknown CPU")
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']} model {fields['model']})"
+    return f"{name}, {os.cpu_count()} cores"
 
 
 def measure_ceilings(fma_peak):

@@ -45,9 +45,9 @@ template <class In>
 struct RowsB {
   const In* b;
   int64_t ldb;
-  // The column panel that starts at column col (width: the micro-kernel's panel width): its first row and
-  // the distance between its rows.
-  const In* panel(int64_t col, int64_t /*width*/) const { return b + col; }
+  // The column panel that starts at column col, `width` columns wide (the micro-kernel's): its first row,
+  // and the distance between its rows.
+  const In* panel(int64_t col) const { return b + col; }
   int64_t panel_ld(int64_t /*col*/, int64_t /*width*/) const { return ldb; }
 };
 
@@ -61,7 +61,7 @@ template <class In>
 struct PanelsB {
   const In* b;
   int64_t k_stored, n_stored;
-  const In* panel(int64_t col, int64_t /*width*/) const { return b + col * k_stored; }
+  const In* panel(int64_t col) const { return b + col * k_stored; }
   int64_t panel_ld(int64_t col, int64_t width) const { return n_stored - col < width ? n_stored - col : width; }
 };
 
@@ -198,14 +198,14 @@ inline void gemm_tile_of(int64_t m, int64_t n, int64_t k_len, const typename Ops
   static_assert(R <= 6, "gemm_rows handles up to 6 rows");
   int64_t col = 0;
   for (; col + NV * W <= n; col += NV * W) {
-    const auto* bp = b.panel(col, NV * W);
+    const auto* bp = b.panel(col);
     const int64_t ldb = b.panel_ld(col, NV * W);
     for (int64_t row = 0; row < m; row += R)
       gemm_rows<Ops, NV, Accumulate, TransA>(smin<int64_t>(R, m - row), a_rows(row), lda, bp, ldb,
                                             c + row * ldc + col, ldc, k_len);
   }
   const int64_t rest = (n - col) / W;
-  const auto* bp = b.panel(col, NV * W);
+  const auto* bp = b.panel(col);
   const int64_t ldb = b.panel_ld(col, NV * W);
   for (int64_t row = 0; row < m && rest > 0; row += R) {
     const int64_t rows = smin<int64_t>(R, m - row);
