@@ -225,7 +225,7 @@ inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int6
   int64_t ntiles = 0, first_block = INT64_MAX, last_block = -1;
   for (int64_t g = 0; g < G && i0 + g * Bq < seq.seqlen_q; ++g, ++ntiles) {
     Tile& tl = tiles[g];
-    tl = {i0 + g * Bq,      smin(Bq, seq.seqlen_q - i0 - g * Bq), {}, t.q + g * Bq * dp, t.o + g * Bq * dvp,
+    tl = {i0 + g * Bq, smin(Bq, seq.seqlen_q - i0 - g * Bq), {}, t.q + g * Bq * dp, t.o + g * Bq * dvp,
           t.m + g * Bq, t.l + g * Bq, false};
     tl.keys = visible_keys(mask, tl.i0, tl.rows, seq.seqlen_k);
     if (tl.keys.first <= tl.keys.last) {
