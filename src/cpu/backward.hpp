@@ -279,9 +279,11 @@ inline void backward_group(const Problem& p, const Sequence& seq, int64_t hk, co
     // Round-robin steps of G key blocks: under a causal mask late key blocks have fewer queries. A step walks
     // the union of its blocks' query tiles, each tile against each of its blocks that it sees, so that a
     // query tile's packs and dQ rows are read once per step rather than once per block.
-    const int64_t nsteps = (nkb + G - 1) / G;
+    // A team sharing the group takes fewer blocks per step where G would leave threads without a step.
+    const int64_t per_step = Shared ? smax<int64_t>(1, smin<int64_t>(G, nkb / nt)) : G;
+    const int64_t nsteps = (nkb + per_step - 1) / per_step;
     team_loop<Shared, Schedule::kRoundRobin>(nsteps, [&](int64_t step) {
-      const int64_t kb0 = step * G, kb1 = smin(kb0 + G, nkb);
+      const int64_t kb0 = step * per_step, kb1 = smin(kb0 + per_step, nkb);
       int64_t tiles_first[G] = {}, tiles_last[G] = {};  // each block's query tiles (first > last: none)
       int64_t lo = nqb, hi = -1;
       for (int64_t kb = kb0; kb < kb1; ++kb) {
