@@ -197,11 +197,12 @@ inline void finish_rows(const Problem& p, T* o, int64_t ldo, const T* m, const T
   }
 }
 
-// The query tiles of one visit: kTilesPerVisit tiles of kBq rows from i0 (those past the sequence end are
-// skipped) of head h, each against every key block it sees, the tiles taking each key block in turn.
-// Against one tile per task: +5-7% at seqlen 8192 and level at 512-2048, causal too (Zen 4, hd 128).
+// The query tiles of one visit: ntiles (<= kTilesPerVisit) tiles of kBq rows from i0 (those past the
+// sequence end are skipped) of head h, each against every key block it sees, the tiles taking each key
+// block in turn. Against one tile per task: +5-7% at seqlen 8192 and level at 512-2048, causal too (Zen 4,
+// hd 128).
 template <class T>
-inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int64_t i0,
+inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int64_t i0, int64_t ntiles_wanted,
                           const ForwardScratch<T>& ws, const typename ForwardScratch<T>::PerThread& t) {
   using V = vec_t<T>;
   constexpr int W = Simd<T>::W;
@@ -223,7 +224,7 @@ inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int6
   };
   Tile tiles[G];
   int64_t ntiles = 0, first_block = INT64_MAX, last_block = -1;
-  for (int64_t g = 0; g < G && i0 + g * Bq < seq.seqlen_q; ++g, ++ntiles) {
+  for (int64_t g = 0; g < smin(G, ntiles_wanted) && i0 + g * Bq < seq.seqlen_q; ++g, ++ntiles) {
     Tile& tl = tiles[g];
     tl = {i0 + g * Bq, smin(Bq, seq.seqlen_q - i0 - g * Bq), {}, t.q + g * Bq * dp, t.o + g * Bq * dvp,
           t.m + g * Bq, t.l + g * Bq, false};
@@ -281,24 +282,35 @@ inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int6
 template <class T>
 struct FmaForward {
   using Scratch = ForwardScratch<T>;
-  // A task's rows: the tiles of one visit.
-  static constexpr int64_t kBq = ForwardTiles<T>::kBq * ForwardTiles<T>::kTilesPerVisit;
-  static constexpr int64_t kBk = ForwardTiles<T>::kBk;
+  static constexpr int64_t kBq = ForwardTiles<T>::kBq, kBk = ForwardTiles<T>::kBk;
+  static constexpr int64_t kTilesPerVisit = ForwardTiles<T>::kTilesPerVisit;
   static void thread_begin() {}
   static void thread_end() {}
   static void pack(const Problem& p, const RowPtr& k, const RowPtr& v, int64_t seqlen_k, int64_t kb,
                    const Scratch& ws, int tid) {
     pack_key_block<T>(p, k, v, seqlen_k, kb, ws, ws.threads[tid]);
   }
-  static void tile(const Problem& p, const Sequence& seq, int64_t h, int64_t i0, const Scratch& ws, int tid) {
-    forward_tiles<T>(p, seq, h, i0, ws, ws.threads[tid]);
+  // Tiles [i0, i0 + ntiles kBq) of head h: one visit (ntiles <= kTilesPerVisit).
+  static void tile(const Problem& p, const Sequence& seq, int64_t h, int64_t i0, int64_t ntiles, const Scratch& ws,
+                   int tid) {
+    forward_tiles<T>(p, seq, h, i0, ntiles, ws, ws.threads[tid]);
   }
 };
+
+// Query tiles an engine runs per task, visiting each key block together: Engine::kTilesPerVisit, else 1.
+template <class Engine>
+constexpr int64_t tiles_per_visit() {
+  if constexpr (requires { Engine::kTilesPerVisit; }) {
+    return Engine::kTilesPerVisit;
+  } else {
+    return 1;
+  }
+}
 
 // Per (sequence, kv head) group: pack the keys once, then run the group's query heads x query tiles.
 template <class Engine>
 inline void run_forward(const Problem& p, void* scratch, int nt) {
-  constexpr int64_t Bq = Engine::kBq, Bk = Engine::kBk;
+  constexpr int64_t Bq = Engine::kBq, Bk = Engine::kBk, G = tiles_per_visit<Engine>();
   const int64_t group = p.nheads / p.nheads_k;
   run_groups<Engine>(p, scratch, nt, [&](const auto& ws, const Sequence& seq, int64_t hk, int tid, auto shared) {
     constexpr bool Shared = decltype(shared)::value;
@@ -306,10 +318,17 @@ inline void run_forward(const Problem& p, void* scratch, int nt) {
     const int64_t nkb = (seq.seqlen_k + Bk - 1) / Bk, nqt = (seq.seqlen_q + Bq - 1) / Bq;
     const RowPtr krows = key_rows(p, p.k, seq, hk), vrows = key_rows(p, p.v, seq, hk);
     team_loop<Shared>(nkb, [&](int64_t kb) { Engine::pack(p, krows, vrows, seq.seqlen_k, kb, ws, tid); });
+    // Tiles per task: G, or fewer where a team sharing the group would otherwise leave threads without one.
+    const int64_t per_task = Shared ? smax<int64_t>(1, smin<int64_t>(G, group * nqt / nt)) : G;
+    const int64_t ntasks = (nqt + per_task - 1) / per_task;
     // Tiles near the end of a causal sequence see the most keys: hand them out first.
-    team_loop<Shared, Schedule::kDynamic>(group * nqt, [&](int64_t task) {
-      const int64_t qt = nqt - 1 - task / group;
-      Engine::tile(p, seq, hk * group + task % group, qt * Bq, ws, tid);
+    team_loop<Shared, Schedule::kDynamic>(group * ntasks, [&](int64_t task) {
+      const int64_t i0 = (ntasks - 1 - task / group) * per_task * Bq, h = hk * group + task % group;
+      if constexpr (G > 1) {
+        Engine::tile(p, seq, h, i0, per_task, ws, tid);
+      } else {
+        Engine::tile(p, seq, h, i0, ws, tid);
+      }
     });
   });
 }
