@@ -103,14 +103,9 @@ inline void pack_backward_keys(const Problem& p, const RowPtr& krows, const RowP
       for (int64_t c = 0; c < ws.dvp; ++c) pk.dv[j * ws.ldv + c] = T(0);
     }
     // Columns jj0 .. jj0 + W of K^T and V^T: a W-wide piece of each row, whose stride is the panel's width.
-    const int64_t stride = smin(w, Bk - jj0 / w * w);
-    T* ktcols = kt + panel_offset(0, jj0, d, Bk, w);
-    T* vtcols = vt + panel_offset(0, jj0, dv, Bk, w);
-    const T* krows_in = pk.k + (kb * Bk + jj0) * ws.ld;
-    for (int64_t c0 = 0; c0 < d; c0 += W)
-      transpose_square<T>(krows_in + c0, ws.ld, ktcols + c0 * stride, stride, smin<int64_t>(W, d - c0));
-    for (int64_t c0 = 0; c0 < dv; c0 += W)
-      transpose_square<T>(vstage + c0, ws.dvp, vtcols + c0 * stride, stride, smin<int64_t>(W, dv - c0));
+    const int64_t stride = panel_width(jj0, Bk, w);
+    transpose_rows<T>(pk.k + (kb * Bk + jj0) * ws.ld, ws.ld, d, kt + panel_offset(0, jj0, d, Bk, w), stride);
+    transpose_rows<T>(vstage, ws.dvp, dv, vt + panel_offset(0, jj0, dv, Bk, w), stride);
   }
 }
 
@@ -279,8 +274,7 @@ inline void backward_group(const Problem& p, const Sequence& seq, int64_t hk, co
     // Round-robin steps of G key blocks: under a causal mask late key blocks have fewer queries. A step walks
     // the union of its blocks' query tiles, each tile against each of its blocks that it sees, so that a
     // query tile's packs and dQ rows are read once per step rather than once per block.
-    // A team sharing the group takes fewer blocks per step where G would leave threads without a step.
-    const int64_t per_step = Shared ? smax<int64_t>(1, smin<int64_t>(G, nkb / nt)) : G;
+    const int64_t per_step = units_per_task<Shared>(G, nkb, nt);
     const int64_t nsteps = (nkb + per_step - 1) / per_step;
     team_loop<Shared, Schedule::kRoundRobin>(nsteps, [&](int64_t step) {
       const int64_t kb0 = step * per_step, kb1 = smin(kb0 + per_step, nkb);

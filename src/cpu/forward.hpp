@@ -122,10 +122,7 @@ inline void pack_key_block(const Problem& p, const RowPtr& krows, const RowPtr& 
       }
     }
     // Columns jj0 .. jj0 + W of K^T: a W-wide piece of each of its rows, whose stride is the panel's width.
-    T* kcols = panel + panel_offset(0, jj0, d, Bk, w);
-    const int64_t stride = smin(w, Bk - jj0 / w * w);
-    for (int64_t c0 = 0; c0 < d; c0 += W)
-      transpose_square<T>(stage + c0, dp, kcols + c0 * stride, stride, smin<int64_t>(W, d - c0));
+    transpose_rows<T>(stage, dp, d, panel + panel_offset(0, jj0, d, Bk, w), panel_width(jj0, Bk, w));
   }
 }
 
@@ -318,8 +315,7 @@ inline void run_forward(const Problem& p, void* scratch, int nt) {
     const int64_t nkb = (seq.seqlen_k + Bk - 1) / Bk, nqt = (seq.seqlen_q + Bq - 1) / Bq;
     const RowPtr krows = key_rows(p, p.k, seq, hk), vrows = key_rows(p, p.v, seq, hk);
     team_loop<Shared>(nkb, [&](int64_t kb) { Engine::pack(p, krows, vrows, seq.seqlen_k, kb, ws, tid); });
-    // Tiles per task: G, or fewer where a team sharing the group would otherwise leave threads without one.
-    const int64_t per_task = Shared ? smax<int64_t>(1, smin<int64_t>(G, group * nqt / nt)) : G;
+    const int64_t per_task = units_per_task<Shared>(G, group * nqt, nt);
     const int64_t ntasks = (nqt + per_task - 1) / per_task;
     // Tiles near the end of a causal sequence see the most keys: hand them out first.
     team_loop<Shared, Schedule::kDynamic>(group * ntasks, [&](int64_t task) {

@@ -30,6 +30,14 @@ inline size_t scratch_bytes(const Problem& p, int nt) {
   return a.used();
 }
 
+// Units of work (key blocks, query tiles) a task takes when an engine would take up to `most` at a time:
+// `most`, or fewer where a team sharing a group would otherwise leave some of its nt threads without a task.
+template <bool Shared>
+inline int64_t units_per_task(int64_t most, int64_t units, int nt) {
+  if constexpr (Shared) return smax<int64_t>(1, smin<int64_t>(most, units / nt));
+  return most;
+}
+
 enum class Schedule { kStatic, kRoundRobin, kDynamic };
 
 // Runs f(i) for i in [0, n): split over the team when Shared (a worksharing loop, so every thread of the

@@ -51,6 +51,13 @@ struct RowsB {
   int64_t panel_ld(int64_t /*col*/, int64_t /*width*/) const { return ldb; }
 };
 
+// The width of the panel holding column n of an n_stored-column PanelsB operand: `width`, or what is left
+// for the last one. Its rows are that far apart.
+inline int64_t panel_width(int64_t n, int64_t n_stored, int64_t width) {
+  const int64_t col = n / width * width;
+  return n_stored - col < width ? n_stored - col : width;
+}
+
 // A B operand packed as the micro-kernel walks it: column panels of `width` columns (the micro-kernel's
 // kCols vectors; the last panel narrower), one after the other, each with its k_stored rows contiguous. A
 // panel is then one sequential stream: no set conflicts in L1 and nothing for the hardware prefetcher to
@@ -62,12 +69,12 @@ struct PanelsB {
   const In* b;
   int64_t k_stored, n_stored;
   const In* panel(int64_t col) const { return b + col * k_stored; }
-  int64_t panel_ld(int64_t col, int64_t width) const { return n_stored - col < width ? n_stored - col : width; }
+  int64_t panel_ld(int64_t col, int64_t width) const { return panel_width(col, n_stored, width); }
 };
 
 inline int64_t panel_offset(int64_t k, int64_t n, int64_t k_stored, int64_t n_stored, int64_t width) {
   const int64_t col = n / width * width;
-  return col * k_stored + k * (n_stored - col < width ? n_stored - col : width) + (n - col);
+  return col * k_stored + k * panel_width(n, n_stored, width) + (n - col);
 }
 
 // dst[x * dst_ld + i] = src[i * src_ld + x] for i < W and x < n_out (n_out <= W): the transpose of a W x W
@@ -119,6 +126,15 @@ inline void transpose_square(const T* src, int64_t src_ld, T* dst, int64_t dst_l
 #endif
   for (int64_t x = 0; x < n_out; ++x)
     for (int i = 0; i < W; ++i) dst[x * dst_ld + i] = src[i * src_ld + x];
+}
+
+// The same for W rows of n columns: dst[x * dst_ld + i] = src[i * src_ld + x] for i < W and x < n, a square
+// at a time (src rows are read up to n rounded up to W).
+template <class T>
+inline void transpose_rows(const T* src, int64_t src_ld, int64_t n, T* dst, int64_t dst_ld) {
+  constexpr int W = Simd<T>::W;
+  for (int64_t c0 = 0; c0 < n; c0 += W)
+    transpose_square<T>(src + c0, src_ld, dst + c0 * dst_ld, dst_ld, n - c0 < W ? n - c0 : W);
 }
 
 // The arithmetic of one product, as the micro-kernel sees it: In is one element of A and B along k (fp32 /
