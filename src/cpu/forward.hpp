@@ -196,7 +196,7 @@ inline void finish_rows(const Problem& p, T* o, int64_t ldo, const T* m, const T
 
 // The query tiles of one visit: ntiles (<= kTilesPerVisit) tiles of kBq rows from i0 (those past the
 // sequence end are skipped) of head h, each against every key block it sees, the tiles taking each key
-// block in turn. Against one tile per task: +5% at seqlen 8192 and level at 512-2048, causal too (Zen 4,
+// block in turn. Against one tile per task: +3-5% at seqlen 8192 and level at 512-2048, causal too (Zen 4,
 // hd 128).
 template <class T>
 inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int64_t i0, int64_t ntiles_wanted,
