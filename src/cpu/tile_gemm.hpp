@@ -62,7 +62,8 @@ inline int64_t panel_width(int64_t n, int64_t n_stored, int64_t width) {
 // kCols vectors; the last panel narrower), one after the other, each with its k_stored rows contiguous. A
 // panel is then one sequential stream: no set conflicts in L1 and nothing for the hardware prefetcher to
 // guess. Measured on a 64 x 128 x 128 product whose B blocks stream from L3 (Zen 4, the forward's key and
-// value packs at seqlen 8192): ~10% faster than rows at padded_ld. Element (k, n) lies at
+// value packs at seqlen 8192): 2-15% faster than rows at padded_ld from run to run; in the forward at
+// seqlen 8192, 7-14%. Element (k, n) lies at
 // panel_offset(k, n, k_stored, n_stored, width).
 template <class In>
 struct PanelsB {
@@ -161,7 +162,8 @@ inline void gemm_micro(const typename Ops::In* __restrict a, int64_t lda, const 
   constexpr int W = Ops::W;
   // The block starts from zero even when accumulating: C is added once, after the k loop. Loaded first, C
   // put its load latency (often an L2 miss: the B panel streams through L1 between visits to C) in front
-  // of every accumulator's first multiply-add; measured 6-9% slower on a 64 x 128 x 128 tile (Zen 4).
+  // of every accumulator's first multiply-add; measured 6-9% slower on a 64 x 128 x 128 tile (Zen 4,
+  // cpu-gemm-micro-2026-12-04.json).
   typename Ops::VC acc[R][NV];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
