@@ -1,0 +1,37 @@
+# ctest: libflare.so exports the C ABI and nothing else (src/flare.map).
+# An exported libstdc++ or CUDA-runtime symbol binds to another copy of that runtime in the same process
+# (torch's) and crashes it; an exported internal C++ symbol is an ABI nobody promised.
+# Usage: cmake -DLIBRARY=<libflare.so> -DNM=<nm> -P check_exports.cmake
+execute_process(COMMAND ${NM} -D --defined-only ${LIBRARY} OUTPUT_VARIABLE table RESULT_VARIABLE rc
+                ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "${NM} -D ${LIBRARY} failed (${rc}): ${err}")
+endif()
+string(REPLACE "\n" ";" lines "${table}")
+set(foreign "")
+set(abi 0)
+foreach(line IN LISTS lines)
+  # "<address> <type> <name>"; absolute version-node symbols (type A) are not code or data.
+  if(line MATCHES "^[0-9a-fA-F]+ ([A-Za-z]) (.+)$")
+    set(type "${CMAKE_MATCH_1}")
+    set(name "${CMAKE_MATCH_2}")
+    if(type STREQUAL "A")
+      continue()
+    endif()
+    if(name MATCHES "^flare_")
+      math(EXPR abi "${abi} + 1")
+    else()
+      list(APPEND foreign "${name}")
+    endif()
+  endif()
+endforeach()
+list(LENGTH foreign n)
+if(n GREATER 0)
+  list(SUBLIST foreign 0 20 shown)
+  string(REPLACE ";" "\n  " shown "${shown}")
+  message(FATAL_ERROR "${LIBRARY} exports ${n} symbols outside the C ABI (first 20):\n  ${shown}")
+endif()
+if(abi LESS 10)
+  message(FATAL_ERROR "${LIBRARY} exports only ${abi} flare_* symbols: the C ABI is missing")
+endif()
+message(STATUS "${LIBRARY}: ${abi} exported symbols, all flare_*")
