@@ -87,42 +87,48 @@ inline PanelsB<T> value_panels(const ForwardScratch<T>& ws, const typename Forwa
 }
 
 // Packs keys [j0, j0 + kBk) of one kv head: K^T (headdim x kBk) and V (kBk x dvp), zero-padded, in panels.
-// K is transposed W keys at a time (transpose_square) from rows staged in the scores tile.
+// K is transposed W keys at a time (transpose_square): straight from the input when it is stored in the
+// compute type, densely, with whole vectors per row; else from rows converted into the scores tile. V rows
+// are converted straight into their panel pieces.
 template <class T>
 inline void pack_key_block(const Problem& p, const RowPtr& krows, const RowPtr& vrows, int64_t seqlen_k,
                            int64_t kb, const ForwardScratch<T>& ws, const typename ForwardScratch<T>::PerThread& t) {
   constexpr int64_t Bk = ForwardTiles<T>::kBk;
   constexpr int W = Simd<T>::W;
   constexpr int64_t w = kPanelCols<T>;
-  const int64_t d = p.headdim, dv = p.headdim_v, dp = ws.dp;
+  const int64_t d = p.headdim, dv = p.headdim_v, dp = ws.dp, dvp = ws.dvp, es = dtype_size(p.dtype);
   T* panel = t.kt + kb * d * Bk;
-  T* vblock = t.v + kb * Bk * ws.dvp;
+  T* vblock = t.v + kb * Bk * dvp;
   T* stage = t.s;  // W key rows of dp
-  T* row_buf = t.q;
-  const int64_t kbytes = d * dtype_size(p.dtype), vbytes = dv * dtype_size(p.dtype);
+  const bool k_in_place = p.dtype == dtype_of<T>() && krows.blocks == nullptr && d % W == 0;
   for (int64_t jj0 = 0; jj0 < Bk; jj0 += W) {
+    const bool direct = k_in_place && kb * Bk + jj0 + W <= seqlen_k;
     for (int64_t i = 0; i < W; ++i) {
       const int64_t jj = jj0 + i, j = kb * Bk + jj;
-      prefetch_ahead(krows, j, seqlen_k, kbytes);
-      prefetch_ahead(vrows, j, seqlen_k, vbytes);
-      T* kr = stage + i * dp;
-      if (j < seqlen_k) {
-        load_row<T>(krows.row(j), p.dtype, kr, d, T(1));
-        load_row<T>(vrows.row(j), p.dtype, row_buf, dv, T(1));
-      } else {
-        for (int64_t c = 0; c < d; ++c) kr[c] = T(0);
-        for (int64_t c = 0; c < dv; ++c) row_buf[c] = T(0);
+      prefetch_ahead(krows, j, seqlen_k, d * es);
+      prefetch_ahead(vrows, j, seqlen_k, dv * es);
+      if (!direct) {
+        T* kr = stage + i * dp;
+        if (j < seqlen_k) {
+          load_row<T>(krows.row(j), p.dtype, kr, d, T(1));
+        } else {
+          for (int64_t c = 0; c < d; ++c) kr[c] = T(0);
+        }
+        for (int64_t c = d; c < dp; ++c) kr[c] = T(0);
       }
-      for (int64_t c = d; c < dp; ++c) kr[c] = T(0);
-      for (int64_t c = dv; c < ws.dvp; ++c) row_buf[c] = T(0);
       // Row jj of V: a piece of each panel.
-      for (int64_t c0 = 0; c0 < ws.dvp; c0 += w) {
-        T* vr = vblock + panel_offset(jj, c0, Bk, ws.dvp, w);
-        for (int64_t c = c0; c < smin(c0 + w, ws.dvp); ++c) vr[c - c0] = row_buf[c];
+      const char* vsrc = j < seqlen_k ? vrows.row(j) : nullptr;
+      for (int64_t c0 = 0; c0 < dvp; c0 += w) {
+        T* vr = vblock + panel_offset(jj, c0, Bk, dvp, w);
+        const int64_t n = vsrc ? smin(w, dv - c0) : 0;
+        if (n > 0) load_row<T>(vsrc + c0 * es, p.dtype, vr, n, T(1));
+        for (int64_t c = smax<int64_t>(n, 0); c < panel_width(c0, dvp, w); ++c) vr[c] = T(0);
       }
     }
     // Columns jj0 .. jj0 + W of K^T: a W-wide piece of each of its rows, whose stride is the panel's width.
-    transpose_rows<T>(stage, dp, d, panel + panel_offset(0, jj0, d, Bk, w), panel_width(jj0, Bk, w));
+    const T* src = direct ? reinterpret_cast<const T*>(krows.row(kb * Bk + jj0)) : stage;
+    const int64_t ld = direct ? krows.row_bytes / static_cast<int64_t>(sizeof(T)) : dp;
+    transpose_rows<T>(src, ld, d, panel + panel_offset(0, jj0, d, Bk, w), panel_width(jj0, Bk, w));
   }
 }
 
@@ -211,11 +217,17 @@ inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int6
   float* lse = lse_row(p, seq, h);
   const ScoreShape shape = score_shape(p, seq, h);
   const bool plain = shape.plain();
+  // Queries stored in the compute type feed the product where they lie, unscaled, when the scores need no
+  // shaping beyond the mask (which the scale does not change): the softmax then applies the scale.
+  const bool in_place = plain && p.dtype == dtype_of<T>();
+  const T softmax_scale = in_place ? static_cast<T>(p.score.scale) : T(1);
+  const int64_t ldq = in_place ? qrows.row_bytes / static_cast<int64_t>(sizeof(T)) : dp;
 
   struct Tile {
     int64_t i0, rows;
     policy::KeyRange keys;  // visible keys (first > last: none)
-    T *q, *o, *m, *l;
+    const T* q;
+    T *o, *m, *l;
     // Whether o holds anything yet: the first block's product writes it (nothing to zero or rescale first).
     bool started;
   };
@@ -230,16 +242,18 @@ inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int6
       first_block = smin(first_block, tl.keys.first / Bk);
       last_block = smax(last_block, tl.keys.last / Bk);
     }
+    if (in_place) tl.q = reinterpret_cast<const T*>(qrows.row(tl.i0));
     for (int64_t r = 0; r < Bq; ++r) {
-      T* qr = tl.q + r * dp;
+      tl.m[r] = static_cast<T>(kNegInf);
+      tl.l[r] = T(0);
+      if (in_place) continue;
+      T* qr = t.q + g * Bq * dp + r * dp;
       if (r < tl.rows) {
         load_row<T>(qrows.row(tl.i0 + r), p.dtype, qr, d, static_cast<T>(p.score.scale));
         for (int64_t c = d; c < dp; ++c) qr[c] = T(0);
       } else {
         for (int64_t c = 0; c < dp; ++c) qr[c] = T(0);
       }
-      tl.m[r] = static_cast<T>(kNegInf);
-      tl.l[r] = T(0);
     }
   }
 
@@ -251,12 +265,12 @@ inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int6
       if (first > last || kb < first / Bk || kb > last / Bk) continue;
       // The last block is cut after the last visible key (causal diagonals, short sequences).
       const int64_t cols = smin(Bk, round_up(last + 1 - j0, W));
-      gemm_tile_panels<T, false>(Bq, cols, d, tl.q, dp, key_panels<T>(p, t, kb), t.s, Bk);
+      gemm_tile_panels<T, false>(in_place ? rows : Bq, cols, d, tl.q, ldq, key_panels<T>(p, t, kb), t.s, Bk);
       if (!plain || !block_fully_visible(mask, tl.i0, rows, j0, cols))
         shape_scores<T>(t.s, Bk, rows, cols, tl.i0, j0, mask, shape, nullptr);
       for (int64_t r = 0; r < rows; ++r) {
         T* prow = t.p + r * Bk;
-        const T alpha = online_softmax_row<T>(t.s + r * Bk, cols, T(1), tl.m[r], tl.l[r],
+        const T alpha = online_softmax_row<T>(t.s + r * Bk, cols, softmax_scale, tl.m[r], tl.l[r],
                                               [prow](int64_t c, vec_t<T> e) { vstore(prow + c, e); });
         if (alpha != T(1) && tl.started) scale_row<T>(tl.o + r * dvp, dvp, alpha);
       }
