@@ -71,7 +71,8 @@ struct BackwardScratch {
 };
 
 // Packs key block kb of one kv head: K rows (padded to dp), K^T and V^T panels, and zeroes dK/dV. K^T and
-// V^T are transposed W keys at a time (transpose_square): K from its packed rows, V from rows staged in the
+// V^T are transposed W keys at a time (transpose_square): K from its packed rows; V straight from the input
+// when it is stored in the compute type, densely, with whole vectors per row, else from rows staged in the
 // scores tile.
 template <class T>
 inline void pack_backward_keys(const Problem& p, const RowPtr& krows, const RowPtr& vrows, int64_t seqlen_k,
@@ -86,26 +87,31 @@ inline void pack_backward_keys(const Problem& p, const RowPtr& krows, const RowP
   T* kt = pk.kt + kb * d * Bk;
   T* vt = pk.vt + kb * dv * Bk;
   const int64_t kbytes = d * dtype_size(p.dtype), vbytes = dv * dtype_size(p.dtype);
+  const bool v_in_place = p.dtype == dtype_of<T>() && vrows.blocks == nullptr && dv % W == 0;
   for (int64_t jj0 = 0; jj0 < Bk; jj0 += W) {
+    const bool v_direct = v_in_place && kb * Bk + jj0 + W <= seqlen_k;
     for (int64_t i = 0; i < W; ++i) {
       const int64_t j = kb * Bk + jj0 + i;
       prefetch_ahead(krows, j, seqlen_k, kbytes);
       prefetch_ahead(vrows, j, seqlen_k, vbytes);
       T* kr = pk.k + j * ws.ld;
-      T* vr = vstage + i * ws.dvp;
-      for (int64_t c = 0; c < ws.dp; ++c) kr[c] = T(0);
-      for (int64_t c = 0; c < ws.dvp; ++c) vr[c] = T(0);
-      if (j < seqlen_k) {
-        load_row<T>(krows.row(j), p.dtype, kr, d, T(1));
-        load_row<T>(vrows.row(j), p.dtype, vr, dv, T(1));
+      const bool key = j < seqlen_k;
+      if (key) load_row<T>(krows.row(j), p.dtype, kr, d, T(1));
+      for (int64_t c = key ? d : 0; c < ws.dp; ++c) kr[c] = T(0);
+      if (!v_direct) {
+        T* vr = vstage + i * ws.dvp;
+        if (key) load_row<T>(vrows.row(j), p.dtype, vr, dv, T(1));
+        for (int64_t c = key ? dv : 0; c < ws.dvp; ++c) vr[c] = T(0);
       }
-      for (int64_t c = 0; c < ws.dp; ++c) pk.dk[j * ws.ld + c] = T(0);
-      for (int64_t c = 0; c < ws.dvp; ++c) pk.dv[j * ws.ldv + c] = T(0);
+      for (int64_t c = 0; c < ws.dp; c += W) vstore(pk.dk + j * ws.ld + c, vec_t<T>{});
+      for (int64_t c = 0; c < ws.dvp; c += W) vstore(pk.dv + j * ws.ldv + c, vec_t<T>{});
     }
     // Columns jj0 .. jj0 + W of K^T and V^T: a W-wide piece of each row, whose stride is the panel's width.
     const int64_t stride = panel_width(jj0, Bk, w);
     transpose_rows<T>(pk.k + (kb * Bk + jj0) * ws.ld, ws.ld, d, kt + panel_offset(0, jj0, d, Bk, w), stride);
-    transpose_rows<T>(vstage, ws.dvp, dv, vt + panel_offset(0, jj0, dv, Bk, w), stride);
+    const T* vsrc = v_direct ? reinterpret_cast<const T*>(vrows.row(kb * Bk + jj0)) : vstage;
+    const int64_t vld = v_direct ? vrows.row_bytes / static_cast<int64_t>(sizeof(T)) : ws.dvp;
+    transpose_rows<T>(vsrc, vld, dv, vt + panel_offset(0, jj0, dv, Bk, w), stride);
   }
 }
 
@@ -130,13 +136,16 @@ inline void pack_backward_queries(const Problem& p, const Sequence& seq, int64_t
     prefetch_ahead(orows, i, seq.seqlen_q, obytes);
     T* qr = pk.q + i * ws.ld;
     T* dor = pk.dout + i * ws.ldv;
-    for (int64_t c = 0; c < ws.dp; ++c) qr[c] = T(0);
-    for (int64_t c = 0; c < ws.dvp; ++c) dor[c] = T(0);
+    const bool query = i < seq.seqlen_q;
+    if (query) {
+      load_row<T>(qrows.row(i), p.dtype, qr, d, static_cast<T>(p.score.scale));
+      load_row<T>(dorows.row(i), p.dtype, dor, dv, T(1));
+    }
+    for (int64_t c = query ? d : 0; c < ws.dp; ++c) qr[c] = T(0);
+    for (int64_t c = query ? dv : 0; c < ws.dvp; ++c) dor[c] = T(0);
     pk.delta[i] = T(0);
     pk.lse[i] = static_cast<T>(__builtin_inff());
-    if (i >= seq.seqlen_q) continue;
-    load_row<T>(qrows.row(i), p.dtype, qr, d, static_cast<T>(p.score.scale));
-    load_row<T>(dorows.row(i), p.dtype, dor, dv, T(1));
+    if (!query) continue;
     load_row<T>(orows.row(i), p.dtype, row_buf, dv, T(1));
     for (int64_t c = dv; c < ws.dvp; ++c) row_buf[c] = T(0);
     vec_t<T> delta{};
