@@ -300,13 +300,13 @@ inline uint16_t float_to_f16(float f) {
 #endif
 }
 
-// dst[c] = src[c] * mul for c < n, converting from the storage dtype.
 // The flare dtype of a compute type (fp32 or fp64).
 template <class T>
 constexpr flare_dtype dtype_of() {
   return std::is_same_v<T, double> ? FLARE_DTYPE_F64 : FLARE_DTYPE_F32;
 }
 
+// dst[c] = src[c] * mul for c < n, converting from the storage dtype.
 template <class T>
 inline void load_row(const void* src, flare_dtype dtype, T* dst, int64_t n, T mul) {
   switch (dtype) {
