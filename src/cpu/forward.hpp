@@ -125,7 +125,7 @@ inline void pack_key_block(const Problem& p, const RowPtr& krows, const RowPtr& 
         T* vr = vblock + panel_offset(jj, c0, Bk, dvp, w);
         const int64_t n = vsrc ? smin(w, dv - c0) : 0;
         if (n > 0) load_row<T>(vsrc + c0 * es, p.dtype, vr, n, T(1));
-        for (int64_t c = smax<int64_t>(n, 0); c < panel_width(c0, dvp, w); ++c) vr[c] = T(0);
+        for (int64_t c = n; c < panel_width(c0, dvp, w); ++c) vr[c] = T(0);
       }
     }
     // Columns jj0 .. jj0 + W of K^T: a W-wide piece of each of its rows, whose stride is the panel's width.
@@ -238,8 +238,9 @@ inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int6
   int64_t ntiles = 0, first_block = INT64_MAX, last_block = -1;
   for (int64_t g = 0; g < smin(G, ntiles_wanted) && i0 + g * Bq < seq.seqlen_q; ++g, ++ntiles) {
     Tile& tl = tiles[g];
-    tl = {i0 + g * Bq, smin(Bq, seq.seqlen_q - i0 - g * Bq), {}, t.q + g * Bq * dp, t.o + g * Bq * dvp,
-          t.m + g * Bq, t.l + g * Bq, false};
+    T* qbuf = t.q + g * Bq * dp;  // the tile's converted, scaled queries (unused in place)
+    tl = {i0 + g * Bq, smin(Bq, seq.seqlen_q - i0 - g * Bq), {}, qbuf, t.o + g * Bq * dvp, t.m + g * Bq,
+          t.l + g * Bq, false};
     tl.keys = visible_keys(mask, tl.i0, tl.rows, seq.seqlen_k);
     if (tl.keys.first <= tl.keys.last) {
       first_block = smin(first_block, tl.keys.first / Bk);
@@ -250,7 +251,7 @@ inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int6
       tl.m[r] = static_cast<T>(kNegInf);
       tl.l[r] = T(0);
       if (in_place) continue;
-      T* qr = t.q + g * Bq * dp + r * dp;
+      T* qr = qbuf + r * dp;
       if (r < tl.rows) {
         load_row<T>(qrows.row(tl.i0 + r), p.dtype, qr, d, static_cast<T>(p.score.scale));
         for (int64_t c = d; c < dp; ++c) qr[c] = T(0);
