@@ -60,6 +60,33 @@ struct WindowMask {
   }
 };
 
+// The key blocks (of block_n keys) that query rows [i0, i1) visit, split into the phases a kernel walks from
+// the last block to the first: [unmasked_hi, last) need the mask (the diagonal or the end of the keys),
+// [unmasked_lo, unmasked_hi) are seen whole by every row, [first, unmasked_lo) need it again (a window's left
+// edge). first <= unmasked_lo <= unmasked_hi <= last; first == last when no row sees any key.
+struct KeyBlocks {
+  int64_t first;
+  int64_t unmasked_lo;
+  int64_t unmasked_hi;
+  int64_t last;
+};
+
+FLARE_HD KeyBlocks key_blocks_of(WindowMask const& mask, int64_t i0, int64_t i1, int64_t block_n) {
+  const KeyRange any = mask.keys_of_rows(i0, i1);
+  if (i1 <= i0 || any.last < any.first) return {0, 0, 0, 0};
+  const int64_t first = any.first / block_n;  // any.first >= 0
+  const int64_t last = any.last / block_n + 1;
+  // Keys every row sees: the ranges slide monotonically, so the last row's first key to the first row's last.
+  const int64_t lo = mask.keys_of(i1 - 1).first;
+  const int64_t hi = mask.keys_of(i0).last;  // <= seqlen_k - 1
+  int64_t ulo = (lo + block_n - 1) / block_n;
+  int64_t uhi = (hi + 1) / block_n;
+  if (hi < lo || uhi <= ulo) ulo = uhi = last;  // no whole block: everything is walked masked
+  if (ulo < first) ulo = first;
+  if (uhi > last) uhi = last;
+  return {first, ulo, uhi, last};
+}
+
 // ALiBi bias of query i and key j: -slope * |diagonal(i) - j|.
 FLARE_HD float alibi_bias(float slope, int64_t diagonal_i, int64_t j) {
   const int64_t dist = diagonal_i > j ? diagonal_i - j : j - diagonal_i;

@@ -1,0 +1,376 @@
+// forward.cuh — the sm90a forward kernel (FlashAttention-3 scheme): one CTA per (query tile, head, batch),
+// warp-specialised. Warpgroup 0 produces: one thread issues TMA copies of Q once and of K and V through two
+// rings of shared-memory stages. Warpgroups 1.. consume: each owns 64 query rows of the tile and runs
+// S = Q·Kᵀ and O += P·V on the tensor cores with wgmma, the online softmax in registers between them.
+//
+// Two overlaps hide the softmax: within a warpgroup, the P·V product of key block n + 1 runs while the softmax
+// of block n is computed (each step issues S(n) and O += P(n+1)·V(n+1), then waits for S alone); across
+// warpgroups, named barriers make them issue their products in turn, so one's softmax runs under the other's
+// matmuls. Key blocks are walked from the last to the first, masked blocks apart from unmasked ones
+// (policy::key_blocks_of), so the unmasked majority does no per-element mask work. O is staged in shared
+// memory and written by one TMA store per tile; rows past the sequence are clipped by the copy engine.
+#pragma once
+
+#include "cuda/sm90/cute_config.hpp"  // first: options for the CuTe headers
+
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "common/attention_policy.hpp"
+#include "cuda/common/scores.cuh"
+#include "cuda/sm90/gmma_views.cuh"
+#include "cuda/sm90/kernel_traits.cuh"
+
+namespace flare::cuda::sm90 {
+
+// Named barriers of the forward (ids after CUTLASS's reserved ones).
+enum class FwdBarrier : uint32_t {
+  kEpilogue = 0,      // every consumer warpgroup: Q is dead / O is staged
+  kWarpgroupTurn = 1  // + consumer warpgroup index: its turn to issue matmuls
+};
+
+__device__ __forceinline__ uint32_t barrier_id(FwdBarrier b, int offset = 0) {
+  return static_cast<uint32_t>(b) + static_cast<uint32_t>(offset);
+}
+
+// acc (+)= A·B over the k extent of the operands, issued as one wgmma batch (not waited for). A is a
+// register fragment (P) or shared-memory descriptors (Q).
+template <bool kZeroInit, class Mma, class TA, class TB, class TC>
+__device__ __forceinline__ void wgmma(Mma& mma, TA const& a, TB const& b, TC& acc) {
+  constexpr bool kRegA = !std::is_same_v<typename TA::value_type, GMMA::DescriptorIterator::value_type>;
+  if constexpr (kRegA) warpgroup_fence_operand(const_cast<TA&>(a));
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    cute::gemm(mma, a(_, _, k), b(_, _, k), acc);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(acc);
+  if constexpr (kRegA) warpgroup_fence_operand(const_cast<TA&>(a));
+}
+
+// Converts fp32 accumulators into a 16-bit register tensor of the same size, element for element.
+template <class Dst, class Src>
+__device__ __forceinline__ void convert_into(Dst& dst, Src const& src) {
+  using To = typename Dst::value_type;
+  constexpr int N = decltype(size(src))::value;
+  static_assert(N == decltype(size(dst))::value, "sizes differ");
+  cutlass::NumericArrayConverter<To, float, N> conv;
+  *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
+      conv(*reinterpret_cast<const cutlass::Array<float, N>*>(src.data()));
+}
+
+// ---- producer: one thread of warpgroup 0
+template <class T>
+__device__ __forceinline__ void produce(typename T::Params const& params, typename T::SharedStorage& ss,
+                                        int m_block, int h, int hk, int b, policy::KeyBlocks const& blocks) {
+  using Element = typename T::Element;
+  AttnParams const& p = params.attn;
+  Tensor mQ = params.tma_q.get_tma_tensor(make_shape(p.seqlen_q, p.headdim, p.nheads, p.batch));
+  Tensor mK = params.tma_k.get_tma_tensor(make_shape(p.seqlen_k, p.headdim, p.nheads_k, p.batch));
+  Tensor mV = params.tma_v.get_tma_tensor(make_shape(p.seqlen_k, p.headdim_v, p.nheads_k, p.batch));
+  Tensor gQ = local_tile(mQ(_, _, h, b), Shape<typename T::BlockM, typename T::HeadDim>{},
+                         make_coord(m_block, _0{}));  // (M, D)
+  Tensor gK = local_tile(mK(_, _, hk, b), Shape<typename T::BlockN, typename T::HeadDim>{},
+                         make_coord(_, _0{}));  // (N, D, n)
+  Tensor gV = local_tile(mV(_, _, hk, b), Shape<typename T::BlockN, typename T::HeadDim>{},
+                         make_coord(_, _0{}));  // (N, D, n)
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutKV{});
+  auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+  auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+  auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+
+  RingPos<T::kStages> kpos, vpos;
+  const auto load_k = [&](int n) {
+    uint64_t& full = ss.k_ring.acquire(kpos, T::kKVBytes);
+    copy(params.tma_k.with(full, 0, TMA::CacheHintSm90::EVICT_LAST), tKgK(_, n), tKsK(_, kpos.stage));
+    kpos.advance();
+  };
+  const auto load_v = [&](int n) {
+    uint64_t& full = ss.v_ring.acquire(vpos, T::kKVBytes);
+    copy(params.tma_v.with(full, 0, TMA::CacheHintSm90::EVICT_LAST), tVgV(_, n), tVsV(_, vpos.stage));
+    vpos.advance();
+  };
+  // The consumers' order: S of the last block first; then each step needs K(n) before V(n + 1).
+  const int first = static_cast<int>(blocks.first);
+  const int last = static_cast<int>(blocks.last);
+  load_k(last - 1);
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full, T::kQBytes);
+  copy(params.tma_q.with(ss.q_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tQgQ, tQsQ);
+  for (int n = last - 1; n > first; --n) {
+    load_k(n - 1);
+    load_v(n);
+  }
+  load_v(first);
+}
+
+// ---- consumers: warpgroups 1..kMmaWarpgroups
+template <class T>
+__device__ __forceinline__ void consume(typename T::Params const& params, typename T::SharedStorage& ss,
+                                        int m_block, int h, int b, policy::KeyBlocks const& blocks) {
+  using Element = typename T::Element;
+  using BlockM = typename T::BlockM;
+  using BlockN = typename T::BlockN;
+  using HeadDim = typename T::HeadDim;
+  AttnParams const& p = params.attn;
+  const int ctid = threadIdx.x - 128;  // thread index among the consumers
+  const int wg = ctid / 128;           // consumer warpgroup
+  const bool leader = ctid % 128 == 0;
+  const int m0 = m_block * T::kBlockM;
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutVt{});
+
+  typename T::TiledMmaQK mma_qk;
+  typename T::TiledMmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(ctid);
+  auto thr_pv = mma_pv.get_thread_slice(ctid);
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K) descriptors
+  Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
+  Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
+  Tensor tSrS = partition_fragment_C(mma_qk, Shape<BlockM, BlockN>{});   // ((2, 2, N/8), 1, 1)
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<BlockM, HeadDim>{});  // ((2, 2, D/8), 1, 1)
+  Tensor tOrP = make_tensor<Element>(acc_as_a_layout(tSrS.layout()));    // ((2, 2, 2), 1, N/16)
+  clear(tOrO);
+  Tensor s_rc = acc_rowcol(tSrS);
+  Tensor o_rc = acc_rowcol(tOrO);
+  constexpr int kRows = decltype(size<0>(s_rc))::value;
+
+  // Tile-local (row, key) of each score: this thread's base + thread 0's offsets (compile-time constants).
+  Tensor coord_ref = typename T::TiledMmaQK{}.get_thread_slice(0).partition_C(
+      make_identity_tensor(Shape<BlockM, BlockN>{}));
+  Tensor coord_mine = thr_qk.partition_C(make_identity_tensor(Shape<BlockM, BlockN>{}));
+  const int row_base = get<0>(coord_mine(0)) - get<0>(coord_ref(0));
+  const int col_base = get<1>(coord_mine(0)) - get<1>(coord_ref(0));
+  Tensor coord_rc = make_tensor(coord_ref.data(), acc_rowcol_layout(coord_ref.layout()));
+
+  const ScoreShape shape(p, b, h, p.seqlen_q, p.seqlen_k);
+  const float f = shape.log2_factor;
+  float row_max[kRows];
+  float row_sum[kRows];
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    row_max[r] = -INFINITY;
+    row_sum[r] = 0.f;
+  }
+
+  // Matmul turns among the consumer warpgroups: each waits for its turn before issuing, and passes it on.
+  constexpr int kW = T::kMmaWarpgroups;
+  const auto turn_wait = [&] {
+    if constexpr (kW > 1) cutlass::arch::NamedBarrier::sync(256, barrier_id(FwdBarrier::kWarpgroupTurn, wg));
+  };
+  const auto turn_pass = [&] {
+    if constexpr (kW > 1) {
+      cutlass::arch::NamedBarrier::arrive(256, barrier_id(FwdBarrier::kWarpgroupTurn, (wg + 1) % kW));
+    }
+  };
+
+  // Scores of key block n -> log2 logits (masked where `masked`), then the online softmax: new running max,
+  // the factor that rescales what was accumulated, P in place of the scores.
+  const auto softmax = [&](int n, bool masked, float (&correction)[kRows]) __attribute__((always_inline)) {
+    const int n0 = n * T::kBlockN;
+    if (shape.transform) {
+      shape_scores(s_rc, coord_rc, m0 + row_base, n0 + col_base, shape, masked);
+    } else if (masked) {
+      mask_scores(s_rc, coord_rc, m0 + row_base, n0 + col_base, shape);
+    }
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float mx = row_max[r];
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s_rc); ++c) mx = fmaxf(mx, s_rc(r, c));
+      mx = quad_max(mx);
+      const float base = (mx == -INFINITY ? 0.f : mx) * f;
+      correction[r] = fast_exp2(row_max[r] * f - base);  // 0 on the first visible block
+      row_max[r] = mx;
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(s_rc); ++c) {
+        const float e = fast_exp2(fmaf(s_rc(r, c), f, -base));
+        s_rc(r, c) = e;
+        sum += e;
+      }
+      row_sum[r] = row_sum[r] * correction[r] + sum;
+    }
+  };
+
+  RingPos<T::kStages> kpos, vpos;
+  const int first = static_cast<int>(blocks.first);
+  const int last = static_cast<int>(blocks.last);
+  const int ulo = static_cast<int>(blocks.unmasked_lo);
+  const int uhi = static_cast<int>(blocks.unmasked_hi);
+  if (first < last) {
+    if constexpr (kW > 1) {
+      if (wg == kW - 1) cutlass::arch::NamedBarrier::arrive(256, barrier_id(FwdBarrier::kWarpgroupTurn, 0));
+    }
+    cutlass::arch::ClusterBarrier::wait(&ss.q_full, 0);
+    // The last key block: S alone.
+    {
+      ss.k_ring.wait(kpos);
+      turn_wait();
+      wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, kpos.stage), tSrS);
+      turn_pass();
+      warpgroup_wait<0>();
+      ss.k_ring.release(kpos, leader);
+      kpos.advance();
+      float correction[kRows];
+      softmax(last - 1, last - 1 >= uhi || last - 1 < ulo, correction);
+      convert_into(tOrP, tSrS);
+    }
+    // Block n: issue S(n) and O += P(n + 1)·V(n + 1), softmax of S(n) while the second runs.
+    const auto step = [&](int n, bool masked) __attribute__((always_inline)) {
+      ss.k_ring.wait(kpos);
+      turn_wait();
+      wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, kpos.stage), tSrS);
+      ss.v_ring.wait(vpos);
+      wgmma<false>(mma_pv, tOrP, tOrV(_, _, _, vpos.stage), tOrO);
+      turn_pass();
+      warpgroup_wait<1>();
+      ss.k_ring.release(kpos, leader);
+      kpos.advance();
+      float correction[kRows];
+      softmax(n, masked, correction);
+      warpgroup_wait<0>();
+      ss.v_ring.release(vpos, leader);
+      vpos.advance();
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= correction[r];
+      }
+      convert_into(tOrP, tSrS);
+    };
+    int n = last - 2;
+    for (; n >= first && n >= uhi; --n) step(n, true);
+    for (; n >= first && n >= ulo; --n) step(n, false);
+    for (; n >= first; --n) step(n, true);
+    // O += P(first)·V(first).
+    ss.v_ring.wait(vpos);
+    turn_wait();
+    wgmma<false>(mma_pv, tOrP, tOrV(_, _, _, vpos.stage), tOrO);
+    turn_pass();
+    warpgroup_wait<0>();
+    ss.v_ring.release(vpos, leader);
+  }
+
+  // ---- epilogue: normalise, write lse, stage O in Q's buffer, one TMA store
+  float* lse = p.lse != nullptr ? p.lse + b * p.lse_batch_stride + h * p.lse_head_stride : nullptr;
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    const float sum = quad_sum(row_sum[r]);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= inv;
+    const int row = m0 + row_base + get<0>(coord_rc(r, 0));
+    if (lse != nullptr && col_base + get<1>(coord_rc(r, 0)) == 0 && row < p.seqlen_q) {
+      lse[row] = sum > 0.f ? (row_max[r] * f + __log2f(sum)) * kLn2 : -INFINITY;
+    }
+  }
+  Tensor o_elem = make_tensor<Element>(tOrO.layout());
+  convert_into(o_elem, tOrO);
+  Tensor sO = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
+  cutlass::arch::NamedBarrier::sync(T::kMmaThreads, barrier_id(FwdBarrier::kEpilogue));  // every S is done
+  copy(o_elem, thr_pv.partition_C(sO));
+  cutlass::arch::fence_view_async_shared();  // the copy engine reads what these threads wrote
+  cutlass::arch::NamedBarrier::sync(T::kMmaThreads, barrier_id(FwdBarrier::kEpilogue));
+  if (ctid == 0) {
+    Tensor mO = params.tma_o.get_tma_tensor(make_shape(p.seqlen_q, p.headdim_v, p.nheads, p.batch));
+    Tensor gO = local_tile(mO(_, _, h, b), Shape<BlockM, HeadDim>{}, make_coord(m_block, _0{}));
+    auto [tOgO, tOsO] = tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO),
+                                      group_modes<0, 2>(gO));
+    copy(params.tma_o, tOsO, tOgO);
+    tma_store_arrive();
+    tma_store_wait<0>();
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(T::kThreads, 1) forward_kernel(const __grid_constant__ typename T::Params params) {
+  extern __shared__ char smem[];
+  auto& ss = *reinterpret_cast<typename T::SharedStorage*>(smem);
+  AttnParams const& p = params.attn;
+  // Heavy (late, for causal) query tiles first.
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const int hk = h / (p.nheads / p.nheads_k);
+  const int m0 = m_block * T::kBlockM;
+  const policy::WindowMask mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
+  const policy::KeyBlocks blocks = policy::key_blocks_of(mask, m0, min(m0 + T::kBlockM, p.seqlen_q), T::kBlockN);
+
+  const int warp = cutlass::canonical_warp_idx_sync();
+  if (warp == 0 && cute::elect_one_sync()) {
+    cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full, 1);
+    ss.k_ring.init(T::kMmaWarpgroups);
+    ss.v_ring.init(T::kMmaWarpgroups);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warp / 4 == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<T::kTile.producer_regs>();
+    if (warp == 0 && cute::elect_one_sync() && blocks.first < blocks.last) {
+      produce<T>(params, ss, m_block, h, hk, b, blocks);
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<T::kTile.consumer_regs>();
+    consume<T>(params, ss, m_block, h, b, blocks);
+  }
+}
+
+// The TMA view of one operand: (tokens, head dim, heads, batch). A mode of extent 1 takes a stride the copy
+// engine accepts (any multiple of 16 bytes) whatever the caller's was: it is never stepped.
+template <class Ptr>
+auto gmem_view(Ptr ptr, Tensor3 const& t, int tokens, int dim, int heads, int batch) {
+  const int64_t fallback = int64_t{tokens} * t.row_stride + 8;
+  const auto tidy = [&](int extent, int64_t stride) { return extent == 1 && stride <= 0 ? fallback : stride; };
+  return make_tensor(make_gmem_ptr(ptr), make_layout(make_shape(tokens, dim, heads, batch),
+                                                     make_stride(tidy(tokens, t.row_stride), _1{},
+                                                                 tidy(heads, t.head_stride),
+                                                                 tidy(batch, t.batch_stride))));
+}
+
+template <class Element, int kHeadDim>
+cudaError_t launch_forward(AttnParams const& p, cudaStream_t stream) {
+  using T = FwdTraits<Element, kHeadDim>;
+  const auto q = gmem_view(static_cast<Element const*>(p.q.ptr), p.q, p.seqlen_q, p.headdim, p.nheads, p.batch);
+  const auto k =
+      gmem_view(static_cast<Element const*>(p.k.ptr), p.k, p.seqlen_k, p.headdim, p.nheads_k, p.batch);
+  const auto v =
+      gmem_view(static_cast<Element const*>(p.v.ptr), p.v, p.seqlen_k, p.headdim_v, p.nheads_k, p.batch);
+  const auto o = gmem_view(static_cast<Element*>(p.out.ptr), p.out, p.seqlen_q, p.headdim_v, p.nheads, p.batch);
+  const typename T::Params params{
+      p,
+      make_tma_copy(SM90_TMA_LOAD{}, q, typename T::SmemLayoutQ{}, Shape<typename T::BlockM, typename T::HeadDim>{},
+                    _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename T::SmemLayoutKV{}),
+                    Shape<typename T::BlockN, typename T::HeadDim>{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename T::SmemLayoutKV{}),
+                    Shape<typename T::BlockN, typename T::HeadDim>{}, _1{}),
+      make_tma_copy(SM90_TMA_STORE{}, o, typename T::SmemLayoutQ{},
+                    Shape<typename T::BlockM, typename T::HeadDim>{}, _1{})};
+  const auto kernel = forward_kernel<T>;
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
+      e != cudaSuccess) {
+    return e;
+  }
+  const dim3 grid((p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.nheads, p.batch);
+  kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+template <class Element, int kHeadDim>
+int forward_smem_bytes_as() {
+  return FwdTraits<Element, kHeadDim>::kSmemBytes;
+}
+
+}  // namespace flare::cuda::sm90
