@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 
 # <topic>-<date>-<short sha>.json, and -2, -3 ... after it for a second run of one commit on one day.
-RESULT_NAME = re.compile(r"^(?P<topic>[a-z][a-z0-9]*(?:-[a-z][a-z0-9]*)*)-(?P<date>\d{4}-\d{2}-\d{2})"
+RESULT_NAME = re.compile(r"^(?P<topic>[a-z][a-z0-9]*(?:-[a-z0-9]+)*?)-(?P<date>\d{4}-\d{2}-\d{2})"
                          r"-(?P<sha>[0-9a-f]{7})(?:-(?P<n>[2-9]|[1-9]\d+))?\.json$")
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Builds everything with the release preset and runs every test; exits non-zero on any failure.
+#   0. bench/results and docs/img against bench/README.md's results policy (scripts/check-results.py)
 #   1. the C++ tests (GoogleTest via CTest) and the demo smoke test, at this machine's best SIMD level
 #   2. the C++ tests again at every SIMD level below that one (FLARE_CPU_ISA=avx512bf16, avx512, avx2,
 #      generic), so the lower kernels are checked on a machine that would not pick them; levels above the
@@ -16,6 +17,9 @@ stage() { printf '\n==== %s (%s)\n' "$1" "$(date +%T)"; }
 
 stage "dependencies"
 scripts/ensure-deps.sh --tests
+
+stage "result files and plots (scripts/check-results.py)"
+python3 scripts/check-results.py
 
 stage "configure and build (release preset, -j$jobs)"
 cmake --preset release -DFLARE_BUILD_TESTS=ON -DFLARE_BUILD_TOOLS=ON

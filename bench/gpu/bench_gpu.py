@@ -60,7 +60,7 @@ MEMORY_IMPLS = ["flare", "torch-math", "torch-flash"]
 # Each torch backend's inputs in the memory order it runs fastest, all passed as (b, h, s, d) tensors: "bshd"
 # = (b, s, h, d) storage viewed through transpose(1, 2), "bhsd" = (b, h, s, d) contiguous. Its backward gets
 # dout in its own output's memory order, as the layer after it hands the gradient back. Measured on the H200
-# (bench/results/gpu-layouts-2026-12-02.json, seqlen 512): with (b, h, s, d) contiguous inputs torch's
+# (bench/results/gpu-layouts-2026-12-02-b1a5893.json, seqlen 512): with (b, h, s, d) contiguous inputs torch's
 # FLASH_ATTENTION backward runs a copy kernel of 185-188 us per call at 16384 tokens x width 2048 (and a
 # dout in another order than its output costs another 93 us); from (b, s, h, d) storage, none. cuDNN is 1-2%
 # faster from (b, h, s, d) contiguous inputs.

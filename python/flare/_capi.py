@@ -192,7 +192,8 @@ def tensor_view(t):
     rank = t.dim()
     pad = (0,) * (FLARE_MAX_RANK - rank)
     # One struct.pack and one copy: this runs for every tensor of every call, and setting the fields one by
-    # one took 1.6 times as long (bench/cpu/host_cost.py: 6.4 against 4.1 us, host-cost-2026-12-03.json).
+    # one took 1.6 times as long (bench/cpu/host_cost.py: 6.4 against 4.1 us,
+    # bench/results/host-cost-2026-12-03-e0deda4.json).
     return flare_tensor.from_buffer_copy(_TENSOR_PACK.pack(t.data_ptr(), dtype, device, t.device.index or 0, rank,
                                                            *t.shape, *pad, *t.stride(), *pad))
 
