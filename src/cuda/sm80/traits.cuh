@@ -19,7 +19,7 @@ using MmaAtom = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
 // Whether this compilation pass emits the body of a kernel of class `c`: a cubin holds the class its GPUs
 // run — both for sm_80 (its cubin also runs on sm_86 / sm_89 when theirs are not built), the small one for
 // sm_86..sm_89, the large one for sm_90 — unless FLARE_CUDA_ALL_CONFIGS (test builds). backend.cu's choice
-// of class follows the same rule (sm80::body_compiled_for).
+// of class follows the same rule.
 template <SmemClass c>
 constexpr bool body_here() {
 #if defined(__CUDA_ARCH__) && !defined(FLARE_CUDA_ALL_CONFIGS)

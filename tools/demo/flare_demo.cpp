@@ -1,8 +1,8 @@
 // flare_demo.cpp — what flare buys you, shown through its public C ABI (include/flare/flare.h) only.
 //
 // For a few sequence lengths it runs causal attention with flare and the naive way (the full score matrix
-// S = QK^T materialised in fp32, softmax, then P·V; tools/demo/naive_attention.cpp), and prints for each:
-// time, peak extra memory (each variant in its own forked process, tools/demo/child_measure.hpp) and the
+// S = QK^T materialised in fp32, softmax, then P·V; naive_attention.cpp), and prints for each:
+// time, peak extra memory (each variant in its own forked process, child_measure.hpp) and the
 // largest difference between the two outputs. The naive way is skipped where its score matrix alone
 // would exceed the memory budget; the table then says what it would have needed.
 //
@@ -14,7 +14,7 @@
 // set by tools/CMakeLists.txt when FLARE_ENABLE_CUDA is on), libflare has its CUDA backend and a CUDA
 // device is present; otherwise on the CPU, exactly as a CPU-only build does. On the GPU the rows are bf16
 // at seqlen 1024 / 4096 / 16384 / 65536, the naive way is a set of plain CUDA kernels materialising S in
-// fp32 (tools/demo/cuda_demo.cu), times come from CUDA events and memory is the device memory each
+// fp32 (cuda_demo.cu), times come from CUDA events and memory is the device memory each
 // variant allocates beyond the inputs and outputs.
 #include <flare/flare.h>
 #include <omp.h>
@@ -28,10 +28,10 @@
 #include <string>
 #include <vector>
 
-#include "demo/child_measure.hpp"
-#include "demo/naive_attention.hpp"
+#include "child_measure.hpp"
+#include "naive_attention.hpp"
 #ifdef FLARE_DEMO_CUDA
-#include "demo/cuda_demo.hpp"
+#include "cuda_demo.hpp"
 #endif
 
 namespace {
@@ -346,7 +346,7 @@ struct Row {
 };
 
 #ifdef FLARE_DEMO_CUDA
-// A GPU row (bf16): flare and the naive way on the device, measured in this process (tools/demo/cuda_demo.cu).
+// A GPU row (bf16): flare and the naive way on the device, measured in this process (cuda_demo.cu).
 Row run_row_cuda(const Options& o, int64_t seqlen, uint64_t seed) {
   Row row;
   row.shape = {o.batch, seqlen, seqlen, o.nheads, o.headdim, o.causal};
