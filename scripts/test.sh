@@ -55,7 +55,10 @@ done
 
 stage "Python tests (pytest, tests/python), against build/release/src/libflare.so"
 py=$(scripts/python-env.sh)  # a Python with the pinned tests/python/requirements.txt
-FLARE_LIBRARY="$PWD/build/release/src/libflare.so" HF_HUB_OFFLINE=1 "$py" -m pytest tests/python -q -p no:cacheprovider
+# torch.compile's cache lives in this build tree: the default one in /tmp is shared by every checkout on the
+# machine and can hand back graphs compiled against another checkout's flare ops.
+FLARE_LIBRARY="$PWD/build/release/src/libflare.so" HF_HUB_OFFLINE=1 TORCHINDUCTOR_CACHE_DIR="$PWD/build/torchinductor" \
+  "$py" -m pytest tests/python -q -p no:cacheprovider
 
 if command -v nvcc >/dev/null 2>&1; then
   stage "CUDA sources: compile check (FLARE_HEADDIMS=64, FLARE_ARCHS=80, both passes)"

@@ -198,6 +198,37 @@ def tensor_view(t):
                                                            *t.shape, *pad, *t.stride(), *pad))
 
 
+def _spans_apart_from_the_problem(params_type):
+    """(offset, size) of the bytes of a params struct that are not the problem: each tensor's data pointer
+    (the alibi_slopes one inside attn too) and exec (stream, threads, workspace)."""
+    pointer = (flare_tensor.data.offset, ctypes.sizeof(c_void_p))
+    spans = []
+    for name, field_type in params_type._fields_:
+        offset = getattr(params_type, name).offset
+        if field_type is flare_tensor:
+            spans.append((offset + pointer[0], pointer[1]))
+        elif field_type is flare_attn_options:
+            spans.append((offset + flare_attn_options.alibi_slopes.offset + pointer[0], pointer[1]))
+        elif field_type is flare_exec_options:
+            spans.append((offset, ctypes.sizeof(flare_exec_options)))
+    return tuple(spans)
+
+
+_PROBLEM_SPANS = {t: _spans_apart_from_the_problem(t)
+                  for t in (flare_fwd_params, flare_bwd_params, flare_kvcache_params)}
+
+
+def problem_key(params):
+    """The bytes of a params struct with its data pointers and exec zeroed: equal for two calls that pose the
+    same problem (shapes, strides, dtypes, devices, options) on different data or streams. What flare decides
+    from the params alone (the workspace size on CUDA, where it reads no tensor's contents) is the same for
+    equal keys."""
+    raw = bytearray(bytes(params))
+    for offset, size in _PROBLEM_SPANS[type(params)]:
+        raw[offset:offset + size] = bytes(size)
+    return type(params), bytes(raw)
+
+
 def _candidate_paths():
     env = os.environ.get("FLARE_LIBRARY")
     if env:
