@@ -3,7 +3,11 @@ fixed-width table a benchmark prints row by row while it runs (bench_cpu.py, ben
 "Measured ... at commit ... on ..." line every markdown table starts with.
 """
 
+import argparse
+import json
 import re
+import sys
+from pathlib import Path
 
 from meta import commit_text
 
@@ -13,6 +17,17 @@ def markdown(header, rows):
     def line(cells):
         return "| " + " | ".join("-" if c is None else str(c) for c in cells) + " |"
     return [line(header), "|" + "---|" * len(header), *(line(r) for r in rows)]
+
+
+def print_tables(doc, topic, render):
+    """The command line of a make_table script: `<script> RESULT.json` prints render(result, path), a list of
+    markdown lines, on stdout. doc: the script's docstring (its first paragraph is --help's description)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("result", type=Path, help=f"a bench/results/{topic}-*.json file")
+    args = p.parse_args()
+    with open(args.result) as f:
+        data = json.load(f)
+    sys.stdout.write("\n".join(render(data, args.result)).rstrip() + "\n")
 
 
 def fmt(x, digits=0):

@@ -10,15 +10,13 @@ ratio a kernel running at the ceiling would reach), a count of rows under 1.2x a
 table (rows that carry peak_mib).
 """
 
-import argparse
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from meta import ceiling_gflops  # noqa: E402
-from table import markdown, measured_line  # noqa: E402
+from table import markdown, measured_line, print_tables  # noqa: E402
 
 PASS_ORDER = {"fwd": 0, "bwd": 1}
 
@@ -105,19 +103,12 @@ def source_line(meta, result):
     return text
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("result", type=Path, help="a bench/results/cpu-*.json file")
-    args = p.parse_args()
-    with open(args.result) as f:
-        data = json.load(f)
+def render(data, path):
     ceilings = data["meta"].get("ceilings") or {}
-    out = [source_line(data["meta"], args.result), "", *timing_table(data["rows"], ceilings)]
+    out = [source_line(data["meta"], path), "", *timing_table(data["rows"], ceilings)]
     mem = memory_table(data["rows"])
-    if mem:
-        out += ["", *mem]
-    sys.stdout.write("\n".join(out) + "\n")
+    return out + (["", *mem] if mem else [])
 
 
 if __name__ == "__main__":
-    main()
+    print_tables(__doc__, "cpu", render)

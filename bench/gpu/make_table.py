@@ -10,15 +10,13 @@ ceiling; the count of rows at or above 1.0x FA2 (the issue's goal) and the worst
 rows that failed the accuracy check or that a peer refused.
 """
 
-import argparse
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from meta import ceiling_gflops  # noqa: E402
-from table import fmt, markdown, measured_line  # noqa: E402
+from table import fmt, markdown, measured_line, print_tables  # noqa: E402
 
 PEERS = [("torch-flash", "FA2"), ("torch-cudnn", "cuDNN"), ("torch-efficient", "efficient")]
 
@@ -111,20 +109,15 @@ def notes(rows):
     return out
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("result", type=Path, help="a bench/results/gpu-fwd-bwd-*.json file")
-    args = p.parse_args()
-    with open(args.result) as f:
-        data = json.load(f)
+def render(data, path):
     meta, rows = data["meta"], data["rows"]
     ceiling = ceiling_gflops(meta.get("ceilings") or {}, "bf16")
-    out = [source_line(meta, args.result), "", *timing_tables(rows, ceiling)]
+    out = [source_line(meta, path), "", *timing_tables(rows, ceiling)]
     for part in (memory_table(rows), notes(rows)):
         if part:
             out += ["", *part]
-    sys.stdout.write("\n".join(out) + "\n")
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    print_tables(__doc__, "gpu-fwd-bwd", render)

@@ -9,13 +9,11 @@ loss (or why it did not finish, e.g. out of memory); whether flare's loss tracks
 few steps side by side.
 """
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from table import markdown, measured_line  # noqa: E402
+from table import markdown, measured_line, print_tables  # noqa: E402
 
 
 def source_line(meta, result):
@@ -69,15 +67,9 @@ def loss_table(group):
                      for s in picks))
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("result", type=Path, help="a bench/results/train-*.json file")
-    args = p.parse_args()
-    with open(args.result) as f:
-        data = json.load(f)
-    out = [source_line(data["meta"], args.result), "", *run_tables(data["rows"], data.get("comparison", {}))]
-    sys.stdout.write("\n".join(out).rstrip() + "\n")
+def render(data, path):
+    return [source_line(data["meta"], path), "", *run_tables(data["rows"], data.get("comparison", {}))]
 
 
 if __name__ == "__main__":
-    main()
+    print_tables(__doc__, "train", render)
