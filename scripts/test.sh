@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Builds everything with the release preset and runs every test; exits non-zero on any failure.
+#   0. bench/results and docs/img against bench/README.md's results policy (scripts/check-results.py)
 #   1. the C++ tests (GoogleTest via CTest) and the demo smoke test, at this machine's best SIMD level
 #   2. the C++ tests again at every SIMD level below that one (FLARE_CPU_ISA=avx512bf16, avx512, avx2,
 #      generic), so the lower kernels are checked on a machine that would not pick them; levels above the
@@ -16,6 +17,9 @@ stage() { printf '\n==== %s (%s)\n' "$1" "$(date +%T)"; }
 
 stage "dependencies"
 scripts/ensure-deps.sh --tests
+
+stage "result files and plots (scripts/check-results.py)"
+python3 scripts/check-results.py
 
 stage "configure and build (release preset, -j$jobs)"
 cmake --preset release -DFLARE_BUILD_TESTS=ON -DFLARE_BUILD_TOOLS=ON
@@ -51,7 +55,10 @@ done
 
 stage "Python tests (pytest, tests/python), against build/release/src/libflare.so"
 py=$(scripts/python-env.sh)  # a Python with the pinned tests/python/requirements.txt
-FLARE_LIBRARY="$PWD/build/release/src/libflare.so" HF_HUB_OFFLINE=1 "$py" -m pytest tests/python -q -p no:cacheprovider
+# torch.compile's cache lives in this build tree: the default one in /tmp is shared by every checkout on the
+# machine and can hand back graphs compiled against another checkout's flare ops.
+FLARE_LIBRARY="$PWD/build/release/src/libflare.so" HF_HUB_OFFLINE=1 TORCHINDUCTOR_CACHE_DIR="$PWD/build/torchinductor" \
+  "$py" -m pytest tests/python -q -p no:cacheprovider
 
 if command -v nvcc >/dev/null 2>&1; then
   stage "CUDA sources: compile check (FLARE_HEADDIMS=64, FLARE_ARCHS=80, both passes)"

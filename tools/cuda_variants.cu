@@ -283,7 +283,7 @@ int main(int argc, char** argv) {
   // Variants first checked against the shipped configuration (same_backward), then timed.
   // Head dim 64's backward: the shipped configuration beyond backward_short (dQ in 32-column slices) and its
   // twin with the statistics in shared memory (whole-width dQ), each against the other dQ width
-  // (bench/results/gpu-tuning-2026-12-04-5.json).
+  // (bench/results/gpu-tuning-2026-12-04-fc316c5.json).
   using Long64 = BwdConfig<bf16, 64>;
   using Stats64 = BwdShortOf<Long64>::type;
   using LongDq32 = BwdTraits<bf16, 64, 128, 128, 8, 4, 4, 4, true, SmemClass::kLarge, 32, true, false>;

@@ -25,16 +25,14 @@ Memory: one long-context forward (seqlen 32768 by default) records peak_mib per 
 resident set (VmHWM, reset through /proc/self/clear_refs) minus the resident set before the call, with
 inputs already allocated and the output allocated inside the measured region for every implementation.
 
-  python3 bench/cpu/bench_cpu.py                 # the full run, writes bench/results/cpu-<date>.json
-  python3 bench/cpu/bench_cpu.py --quick         # a few rows, writes build/bench/cpu-quick-<date>.json
+  python3 bench/cpu/bench_cpu.py                 # the full run, writes bench/results/cpu-<date>-<sha>.json
+  python3 bench/cpu/bench_cpu.py --quick         # a few rows, writes build/bench/cpu-quick-<date>-<sha>.json
 """
 
 import argparse
-import datetime
 import json
 import math
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -50,8 +48,10 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "python"))  # the flare package's ctypes binding, the only one
 sys.path.insert(0, str(REPO / "bench"))
 
+import meta  # noqa: E402
 from flare._capi import Flare, tensor_view  # noqa: E402
 from flops import attention_flops  # noqa: E402
+from table import Console, fmt  # noqa: E402
 
 TOTAL_TOKENS = 8192
 MODEL_WIDTH = 256
@@ -404,88 +404,36 @@ def run_memory(args):
 
 
 class Table:
-    HEADER = (f"{'pass':<4} {'dtype':<5} {'hd':>4} {'causal':<6} {'seqlen':>6} {'b x h':>7} | "
-              f"{'flare ms':>10} {'torch ms':>10} {'naive ms':>10} | {'torch/flare':>11} {'flare GF/s':>10}")
+    """The progress table printed while the run goes (bench/table.py's Console)."""
 
     def __init__(self):
-        print(self.HEADER)
-        print("-" * len(self.HEADER), flush=True)
+        self.console = Console([("pass", -4), ("dtype", -5), ("hd", 4), ("causal", -6), ("seqlen", 6), ("b x h", 7),
+                                "|", ("flare ms", 10), ("torch ms", 10), ("naive ms", 10),
+                                "|", ("torch/flare", 11), ("flare GF/s", 10)])
 
-    @staticmethod
-    def print_row(pass_, dtype_name, shape, causal, times):
-        def fmt(impl):
-            return f"{times[impl]:10.2f}" if impl in times else f"{'-':>10}"
+    def print_row(self, pass_, dtype_name, shape, causal, times):
         flare_ms, torch_ms = times.get("flare"), times.get("torch-cpu")
-        ratio = f"{torch_ms / flare_ms:10.2f}x" if flare_ms and torch_ms else f"{'-':>11}"
         flops = attention_flops(pass_, shape["batch"], shape["nheads"], shape["seqlen_q"], shape["seqlen_k"],
                                 shape["headdim"], causal)
-        gflops = f"{flops / (flare_ms * 1e-3) * 1e-9:10.1f}" if flare_ms else f"{'-':>10}"
-        bh = f"{shape['batch']}x{shape['nheads']}"
-        print(f"{pass_:<4} {dtype_name:<5} {shape['headdim']:>4} {'yes' if causal else 'no':<6} "
-              f"{shape['seqlen_q']:>6} {bh:>7} | {fmt('flare')} {fmt('torch-cpu')} {fmt('naive')} | {ratio} "
-              f"{gflops}", flush=True)
-
-
-def git_commit():
-    try:
-        sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True).stdout.strip() != ""
-        return sha, dirty
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown", False
-
-
-def cpu_description():
-    """'<model name> (family F model M), N cores': virtual machines often mask the model name ("AMD EPYC"),
-    and the family and model tell the generations apart (AMD family 25 is Zen 3/4, 26 Zen 5)."""
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("model name", "cpu family", "model") and key not in fields:
-                    fields[key] = value.strip()
-                if not line.strip() and fields:
-                    break
-    except OSError:
-        pass
-    name = fields.get("model name", "unknown CPU")
-    if "cpu family" in fields and "model" in fields:
-        name += f" (family {fields['cpu family']} model {fields['model']})"
-    return f"{name}, {os.cpu_count()} cores"
-
-
-def measure_ceilings(fma_peak):
-    """Runs tools/fma_peak (built with the library) for the arithmetic ceilings of this machine."""
-    if not Path(fma_peak).is_file():
-        print(f"note: {fma_peak} not found (build the fma_peak target); ceilings left out", file=sys.stderr)
-        return {}
-    result = subprocess.run([str(fma_peak), "--json"], capture_output=True, text=True, check=True)
-    ceilings = json.loads(result.stdout)
-    ceilings.pop("threads", None)
-    return ceilings
+        self.console.row(pass_, dtype_name, shape["headdim"], "yes" if causal else "no", shape["seqlen_q"],
+                         f"{shape['batch']}x{shape['nheads']}",
+                         *(fmt(times.get(impl), 2) if impl in times else None
+                           for impl in ("flare", "torch-cpu", "naive")),
+                         f"{torch_ms / flare_ms:.2f}x" if flare_ms and torch_ms else None,
+                         fmt(flops / (flare_ms * 1e-3) * 1e-9, 1) if flare_ms else None)
 
 
 def default_out(quick):
-    date = datetime.date.today().isoformat()
     if quick:  # smoke runs stay out of bench/results
-        return REPO / "build" / "bench" / f"cpu-quick-{date}.json"
-    out = REPO / "bench" / "results" / f"cpu-{date}.json"
-    n = 2
-    while out.exists():  # result files are never edited: a second run the same day gets its own file
-        out = REPO / "bench" / "results" / f"cpu-{date}-{n}.json"
-        n += 1
-    return out
+        return meta.default_result_path(REPO / "build" / "bench", "cpu", quick=True)
+    return meta.default_result_path(meta.RESULTS, "cpu")
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="a few small rows and a small memory run (smoke test)")
-    p.add_argument("--out", type=Path, help="result JSON (default bench/results/cpu-<date>.json)")
+    p.add_argument("--out", type=Path, help="result JSON (default bench/results/cpu-<date>-<sha>.json)")
     p.add_argument("--lib", type=Path, default=Path(os.environ.get("FLARE_LIB",
                                                                    REPO / "build/release/src/libflare.so")))
     p.add_argument("--fma-peak", type=Path, default=REPO / "build/release/tools/fma_peak")
@@ -526,21 +474,18 @@ def main():
         sys.exit(f"bench_cpu: {args.lib} not found: build it first (cmake --preset release && "
                  f"cmake --build build/release -j) or pass --lib")
     lib = Flare(args.lib)
-    ceilings = measure_ceilings(args.fma_peak)  # before anything else loads the cores
-    sha, dirty = git_commit()
-    command = "python3 bench/cpu/bench_cpu.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    meta = {
-        "commit": sha, "dirty": dirty, "date": datetime.date.today().isoformat(), "device": cpu_description(),
-        "command": command.strip(), "ceilings": ceilings,
+    ceilings = meta.fma_ceilings(args.fma_peak)  # before anything else loads the cores
+    run = {
+        **meta.provenance(__file__), "device": meta.cpu_description(), "ceilings": ceilings,
         "flare_version": lib.version(), "flare_cpu_isa": lib.cpu_isa(), "torch": torch.__version__,
         "threads": args.threads,
         "shapes": f"batch = max(1, {args.tokens} // seqlen), nheads = {args.width} // headdim",
         "timing": f"time.perf_counter, median of 3..{args.max_runs} runs after one warm-up; flare and "
                   f"torch-cpu calls alternated",
     }
-    print(f"flare {meta['flare_version']} ({meta['flare_cpu_isa']}) vs torch {torch.__version__} on "
-          f"{meta['device']}, {args.threads} threads; ceilings {ceilings}")
-    print(f"shapes: {meta['shapes']}; {meta['timing']}; torch/flare > 1 means flare is faster\n")
+    print(f"flare {run['flare_version']} ({run['flare_cpu_isa']}) vs torch {torch.__version__} on "
+          f"{run['device']}, {args.threads} threads; ceilings {ceilings}")
+    print(f"shapes: {run['shapes']}; {run['timing']}; torch/flare > 1 means flare is faster\n")
 
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     table = Table()
@@ -555,11 +500,7 @@ def main():
     if args.mem_seqlen > 0:
         rows += run_memory(args)
 
-    out = args.out or default_out(args.quick)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        f.write("\n")
+    out = meta.write_result(args.out or default_out(args.quick), {"meta": run, "rows": rows})
     print(f"\nwrote {out} ({len(rows)} rows)")
 
 

@@ -7,12 +7,11 @@
   c_fwd                   the C entry point alone (lib.fwd on prepared params): the floor of the above
 Each figure is the median over 5 batches of the mean time per call (us), time.perf_counter.
 
-  python3 bench/cpu/host_cost.py            writes bench/results/host-cost-<date>.json
+  python3 bench/cpu/host_cost.py            writes bench/results/host-cost-<date>-<sha>.json
 """
 
 import argparse
 import ctypes
-import json
 import statistics
 import sys
 import time
@@ -22,7 +21,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "python"))
-sys.path.insert(0, str(REPO / "bench" / "gpu"))
+sys.path.insert(0, str(REPO / "bench"))
 
 import meta as run_meta  # noqa: E402
 from flare import _capi, ops  # noqa: E402
@@ -79,26 +78,13 @@ def main(argv=None):
         us = per_call_us(fn, args.calls)
         rows.append({"what": name, "us_per_call": us})
         print(f"{name:22s} {us:8.1f} us")
-    sha, dirty = run_meta.git_commit()
-    meta = {"commit": sha, "dirty": dirty, "date": run_meta.today(), "command": run_meta.command_line(__file__),
-            **run_meta.device_meta(torch), "cpu": _cpu_name(), "flare_cpu_isa": lib.cpu_isa(),
+    meta = {**run_meta.provenance(__file__), **run_meta.device_meta(torch), "cpu": run_meta.cpu_description(),
+            "flare_cpu_isa": lib.cpu_isa(),
             "shapes": "q = k = v (1, 8, 2, 16) fp32 on the CPU, one thread",
             "pointer_bytes": ctypes.sizeof(ctypes.c_void_p)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = run_meta.default_result_path(args.out, "host-cost")
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        f.write("\n")
+    path = run_meta.write_result(run_meta.default_result_path(args.out, "host-cost"), {"meta": meta, "rows": rows})
     print(f"wrote {path}")
     return 0
-
-
-def _cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        return None
 
 
 if __name__ == "__main__":

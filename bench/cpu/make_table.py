@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Turns a bench_cpu.py result (bench/results/cpu-<date>.json) into markdown for docs/performance-cpu.md.
+"""Turns a bench_cpu.py result (bench/results/cpu-<date>-<sha>.json) into markdown for docs/performance-cpu.md.
 
-  python3 bench/cpu/make_table.py bench/results/cpu-2026-12-01.json >> docs/performance-cpu.md
+  python3 bench/cpu/make_table.py bench/results/cpu-2026-12-04-30afeb6.json >> docs/performance-cpu.md
 
 Prints: a line on where the figures come from (date, commit, device, ceilings), the timing table
 (one line per pass, dtype, headdim, causal, seqlen; flare, torch-cpu and naive ms; torch/flare > 1 means
@@ -10,10 +10,13 @@ ratio a kernel running at the ceiling would reach), a count of rows under 1.2x a
 table (rows that carry peak_mib).
 """
 
-import argparse
-import json
 import sys
 from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from meta import ceiling_gflops  # noqa: E402
+from table import markdown, measured_line, print_tables  # noqa: E402
 
 PASS_ORDER = {"fwd": 0, "bwd": 1}
 
@@ -36,28 +39,19 @@ def shape_key(row):
             row["seqlen_q"], row["seqlen_k"], row["batch"], row["nheads"])
 
 
-def ceiling_gflops(ceilings, dtype):
-    """The arithmetic ceiling a dtype's products run against: fp32 FMA, or AMX (else vdpbf16ps) for bf16."""
-    if dtype == "fp32":
-        return ceilings.get("fma_fp32_gflops")
-    return ceilings.get("amx_bf16_gflops") or ceilings.get("dpbf16_gflops")
-
-
 def timing_table(rows, ceilings):
     groups = defaultdict(dict)
     for row in rows:
         if not is_memory_row(row):
             groups[shape_key(row)][row["impl"]] = row
-    lines = ["| pass | dtype | hd | causal | seqlen | batch x heads | flare ms | torch ms | torch/flare "
-             "| naive ms | flare GFLOP/s | flare % ceiling | torch % ceiling | ceiling/torch |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = []
     under = {1.2: 0, 1.5: 0}
     compared = 0
     for key in sorted(groups):
         _, pass_, dtype, hd, causal, sq, sk, batch, nheads = key
         impls = groups[key]
         flare, torch_, naive = impls.get("flare"), impls.get("torch-cpu"), impls.get("naive")
-        ratio = gflops = flare_pct = torch_pct = headroom = "-"
+        ratio = gflops = flare_pct = torch_pct = headroom = None
         if flare and flare.get("ms") and torch_ and torch_.get("ms"):
             r = torch_["ms"] / flare["ms"]
             ratio = f"{r:.2f}"
@@ -74,58 +68,47 @@ def timing_table(rows, ceilings):
                 torch_pct = f"{100 * torch_['tflops'] * 1e3 / ceiling:.0f}%"
                 headroom = f"{ceiling / (torch_['tflops'] * 1e3):.2f}"
         seqlen = str(sq) if sq == sk else f"{sq}/{sk}"
-        lines.append(f"| {pass_} | {dtype} | {hd} | {'yes' if causal else 'no'} | {seqlen} "
-                     f"| {batch} x {nheads} | {fmt_ms(flare)} | {fmt_ms(torch_)} | {ratio} | {fmt_ms(naive)} "
-                     f"| {gflops} | {flare_pct} | {torch_pct} | {headroom} |")
-    lines += ["", f"{compared} rows compared with torch: {under[1.2]} under 1.2x, {under[1.5]} under 1.5x."]
-    return lines
+        lines.append((pass_, dtype, hd, "yes" if causal else "no", seqlen, f"{batch} x {nheads}", fmt_ms(flare),
+                      fmt_ms(torch_), ratio, fmt_ms(naive), gflops, flare_pct, torch_pct, headroom))
+    header = ("pass", "dtype", "hd", "causal", "seqlen", "batch x heads", "flare ms", "torch ms", "torch/flare",
+              "naive ms", "flare GFLOP/s", "flare % ceiling", "torch % ceiling", "ceiling/torch")
+    return [*markdown(header, lines), "",
+            f"{compared} rows compared with torch: {under[1.2]} under 1.2x, {under[1.5]} under 1.5x."]
 
 
 def memory_table(rows):
     mem = [r for r in rows if is_memory_row(r)]
     if not mem:
         return []
-    lines = ["| impl | pass | dtype | causal | batch x heads x hd | seqlen | ms | peak extra memory |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = []
     for r in mem:
         if "peak_mib" in r:
             peak = f"{r['peak_mib']:.1f} MiB"
         else:
             peak = f"not run: {r.get('skipped', 'skipped')}"
-        shape = f"{r['batch']} x {r['nheads']} x {r['headdim']}"
-        lines.append(f"| {r['impl']} | {r['pass']} | {r['dtype']} | {'yes' if r['causal'] else 'no'} "
-                     f"| {shape} | {r['seqlen_q']} | {fmt_ms(r)} | {peak} |")
-    return lines
+        lines.append((r["impl"], r["pass"], r["dtype"], "yes" if r["causal"] else "no",
+                      f"{r['batch']} x {r['nheads']} x {r['headdim']}", r["seqlen_q"], fmt_ms(r), peak))
+    return markdown(("impl", "pass", "dtype", "causal", "batch x heads x hd", "seqlen", "ms", "peak extra memory"),
+                    lines)
 
 
-def source_line(meta):
+def source_line(meta, result):
     ceilings = meta.get("ceilings") or {}
-    parts = [f"{k} {v}" for k, v in ceilings.items()]
-    dirty = " (with uncommitted changes)" if meta.get("dirty") else ""
-    text = (f"Measured {meta.get('date', '?')} at commit `{str(meta.get('commit', '?'))[:12]}`{dirty} on "
-            f"{meta.get('device', '?')}, {meta.get('threads', '?')} threads, flare CPU ISA "
-            f"{meta.get('flare_cpu_isa', '?')}, torch {meta.get('torch', '?')}. "
-            f"Command: `{meta.get('command', '?')}`.")
-    if parts:
-        text += " Ceilings (tools/fma_peak): " + ", ".join(parts) + " GFLOP/s."
+    text = measured_line(meta, f", {meta.get('threads', '?')} threads, flare CPU ISA {meta.get('flare_cpu_isa', '?')}, "
+                               f"torch {meta.get('torch', '?')}", result)
+    if ceilings:
+        text += " Ceilings (tools/fma_peak): " + ", ".join(f"{k} {v}" for k, v in ceilings.items()) + " GFLOP/s."
     if meta.get("shapes"):
         text += f" Shapes: {meta['shapes']}."
     return text
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("result", help="a bench/results/cpu-*.json file")
-    args = p.parse_args()
-    with open(args.result) as f:
-        data = json.load(f)
+def render(data, path):
     ceilings = data["meta"].get("ceilings") or {}
-    out = [source_line(data["meta"]), "", *timing_table(data["rows"], ceilings)]
+    out = [source_line(data["meta"], path), "", *timing_table(data["rows"], ceilings)]
     mem = memory_table(data["rows"])
-    if mem:
-        out += ["", *mem]
-    sys.stdout.write("\n".join(out) + "\n")
+    return out + (["", *mem] if mem else [])
 
 
 if __name__ == "__main__":
-    main()
+    print_tables(__doc__, "cpu", render)

@@ -7,7 +7,7 @@ alike, and a difference that holds in every round is the builds'. The peers (tor
 run too, so each row's ratio is against a peer measured minutes, not sessions, apart. The runs' rows go into
 one result file, each labelled with its build (`variant`) and round (`round`).
 
-    python3 bench/gpu/ab_builds.py --out bench/results/gpu-ab-<date>.json --rounds 2 \
+    python3 bench/gpu/ab_builds.py --out bench/results/gpu-ab-<date>-<sha>.json --rounds 2 \
         --build old=build/a/libflare.so.0.1.0 --build new=build/b/libflare.so.0.1.0 \
         --notes "what differs" -- --headdims 64 --impls flare torch-flash --no-memory
 
@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
 import meta  # noqa: E402
 
 KEY = ("pass", "headdim", "seqlen_q", "causal")
@@ -100,21 +100,16 @@ def main():
             cells.append("-" if value is None else f"{value:7.1f}{ratio}")
         print(f"{key[0]} {key[1]} {'yes' if key[3] else 'no'} {key[2]} | " + " | ".join(f"{c:>14}" for c in cells))
 
-    commit, dirty = meta.git_commit()
     out_meta = {
         **metas[first],  # device, software versions, shapes, timing: the same for every run
-        "commit": commit,
-        "dirty": dirty,
-        "date": meta.today(),
-        "command": meta.command_line(__file__),
+        **meta.provenance(__file__),
         "builds": {label: {"library": library, "flare_library": metas[label].get("flare_library")}
                    for label, library in builds},
         "rounds": args.rounds,
         "order": "per round, the builds in the order given; each run a bench_gpu.py process of its own",
         "notes": args.notes,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": out_meta, "rows": rows}, indent=1) + "\n")
+    meta.write_result(args.out, {"meta": out_meta, "rows": rows})
     print(f"wrote {args.out} ({len(rows)} rows)")
 
 

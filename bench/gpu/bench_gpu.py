@@ -21,7 +21,7 @@ the inputs for flare, torch math and torch flash.
 Rows follow BENCH.md's schema, plus "vs_fa2" / "vs_cudnn" on every timed row (its TFLOP/s over the peer's;
 > 1 means faster than that peer) and "skipped" with the reason where a backend refused a shape.
 
-  python3 bench/gpu/bench_gpu.py                         full run -> bench/results/gpu-fwd-bwd-<date>.json
+  python3 bench/gpu/bench_gpu.py                         full run -> bench/results/gpu-fwd-bwd-<date>-<sha>.json
   python3 bench/gpu/bench_gpu.py --quick --out $OUT      a few shapes, JSON under $OUT
   python3 bench/gpu/bench_gpu.py --dry-run               no GPU: synthetic timings, exercises the JSON path
   python3 bench/gpu/bench_gpu.py --device cpu --tokens 512 --width 128 --seqlens 128 256 --headdims 64
@@ -31,7 +31,6 @@ Rows follow BENCH.md's schema, plus "vs_fa2" / "vs_cudnn" on every timed row (it
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
@@ -49,6 +48,7 @@ sys.path.insert(0, str(REPO / "python"))
 
 from flops import attention_flops  # noqa: E402
 import meta as run_meta  # noqa: E402
+from table import Console, fmt  # noqa: E402
 
 TOTAL_TOKENS = 16384
 MODEL_WIDTH = 2048
@@ -60,7 +60,7 @@ MEMORY_IMPLS = ["flare", "torch-math", "torch-flash"]
 # Each torch backend's inputs in the memory order it runs fastest, all passed as (b, h, s, d) tensors: "bshd"
 # = (b, s, h, d) storage viewed through transpose(1, 2), "bhsd" = (b, h, s, d) contiguous. Its backward gets
 # dout in its own output's memory order, as the layer after it hands the gradient back. Measured on the H200
-# (bench/results/gpu-layouts-2026-12-02.json, seqlen 512): with (b, h, s, d) contiguous inputs torch's
+# (bench/results/gpu-layouts-2026-12-02-b1a5893.json, seqlen 512): with (b, h, s, d) contiguous inputs torch's
 # FLASH_ATTENTION backward runs a copy kernel of 185-188 us per call at 16384 tokens x width 2048 (and a
 # dout in another order than its output costs another 93 us); from (b, s, h, d) storage, none. cuDNN is 1-2%
 # faster from (b, h, s, d) contiguous inputs.
@@ -384,25 +384,22 @@ def run_memory(seqlens, args):
 
 
 class Table:
+    """The progress table printed while the run goes (bench/table.py's Console), TFLOP/s per implementation."""
+
     def __init__(self, impls):
         self.impls = impls
-        header = f"{'pass':<4} {'hd':>4} {'causal':<6} {'seqlen':>6} {'b x h':>7} |" + "".join(
-            f" {i:>15}" for i in impls) + " | flare/FA2 flare/cuDNN   (TFLOP/s)"
-        print(header)
-        print("-" * len(header), flush=True)
+        self.console = Console([("pass", -4), ("hd", 4), ("causal", -6), ("seqlen", 6), ("b x h", 7), "|",
+                                *((impl, 15) for impl in impls), "|", ("flare/FA2", 10), ("flare/cuDNN", 11)])
 
     def print_row(self, pass_, shape, causal, times):
         def tflops(ms):
             return attention_flops(pass_, shape["batch"], shape["nheads"], shape["seqlen_q"], shape["seqlen_k"],
                                    shape["headdim"], causal) / (ms * 1e-3) / 1e12
-        cells = "".join(f" {tflops(times[i]):15.1f}" if i in times else f" {'-':>15}" for i in self.impls)
-        ratios = ""
-        for peer in ("torch-flash", "torch-cudnn"):
-            ratios += (f" {times[peer] / times['flare']:9.2f}x" if "flare" in times and peer in times
-                       else f" {'-':>10}")
-        bh = f"{shape['batch']}x{shape['nheads']}"
-        print(f"{pass_:<4} {shape['headdim']:>4} {'yes' if causal else 'no':<6} {shape['seqlen_q']:>6} {bh:>7} |"
-              f"{cells} |{ratios}", flush=True)
+        ratios = (f"{times[peer] / times['flare']:.2f}x" if "flare" in times and peer in times else None
+                  for peer in ("torch-flash", "torch-cudnn"))
+        self.console.row(pass_, shape["headdim"], "yes" if causal else "no", shape["seqlen_q"],
+                         f"{shape['batch']}x{shape['nheads']}",
+                         *(fmt(tflops(times[i]), 1) if i in times else None for i in self.impls), *ratios)
 
 
 def dry_run_rows(args):
@@ -478,9 +475,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     run_meta.prefer_cuda_build()
-    sha, dirty = run_meta.git_commit()
-    meta = {"commit": sha, "dirty": dirty, "date": run_meta.today(), "command": run_meta.command_line(__file__),
-            **run_meta.device_meta(torch), **({} if args.dry_run else run_meta.flare_meta()),
+    meta = {**run_meta.provenance(__file__), **run_meta.device_meta(torch), **({} if args.dry_run else run_meta.flare_meta()),
             "shapes": f"batch = {args.tokens} // seqlen, nheads = {args.width} // headdim, bf16",
             "layouts": "flare (b, s, h, d) contiguous; torch SDPA (b, h, s, d) tensors, FLASH_ATTENTION from "
                        "(b, s, h, d) storage, CUDNN_ATTENTION and EFFICIENT_ATTENTION (b, h, s, d) contiguous "
@@ -525,10 +520,8 @@ def main(argv=None):
     out_dir = args.out or (REPO / "build" / "bench" if trial else REPO / "bench" / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
     topic = "gpu-fwd-bwd" + ("-dry-run" if args.dry_run else "-cpu-check" if args.device == "cpu" else "")
-    path = run_meta.default_result_path(out_dir, topic, quick=args.quick)
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        f.write("\n")
+    path = run_meta.write_result(run_meta.default_result_path(out_dir, topic, quick=args.quick),
+                                 {"meta": meta, "rows": rows})
     flare_rows = [r for r in rows if r["impl"] == "flare" and r.get("vs_fa2") and "peak_mib" not in r]
     if flare_rows:
         worst = min(flare_rows, key=lambda r: r["vs_fa2"])

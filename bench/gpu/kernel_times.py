@@ -22,6 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import meta  # noqa: E402
 # The benchmark's own inputs and runners: the same memory orders (TORCH_LAYOUT) and dout handling.
 from bench_gpu import (MODEL_WIDTH, TORCH_LAYOUT, TOTAL_TOKENS, Autograd, flare_autograd, sdpa,  # noqa: E402
@@ -87,13 +88,11 @@ def main():
                         for name, us in r["kernels_us"].items():
                             print(f"    {us:8.1f} us  {name[:110]}")
     if args.json:
-        commit, dirty = meta.git_commit()
-        doc_meta = {"commit": commit, "dirty": dirty, "date": meta.today(), "command": meta.command_line(__file__),
-                    **meta.device_meta(torch),
+        doc_meta = {**meta.provenance(__file__), **meta.device_meta(torch),
                     "timing": f"torch.profiler device time per kernel, mean of {args.reps} calls after 3 warm-up"}
         if "flare" in args.impl:
             doc_meta.update(meta.flare_meta())
-        Path(args.json).write_text(json.dumps({"meta": doc_meta, "rows": rows}, indent=1) + "\n")
+        meta.write_result(args.json, {"meta": doc_meta, "rows": rows})
 
 
 if __name__ == "__main__":

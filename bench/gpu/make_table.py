@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Markdown for docs/performance.md from a bench_gpu.py result (bench/results/gpu-fwd-bwd-<date>.json).
+"""Markdown for docs/performance.md from a bench_gpu.py result (bench/results/gpu-fwd-bwd-<date>-<sha>.json).
 
-  python3 bench/gpu/make_table.py bench/results/gpu-fwd-bwd-2026-12-02.json >> docs/performance.md
+  python3 bench/gpu/make_table.py bench/results/gpu-fwd-bwd-2026-12-04-42d0449.json >> docs/performance.md
 
 Prints: where the figures come from (date, commit, device, ceilings, command, how they were timed); one
 table per pass (forward, backward) with a line per head dim, causal and seqlen: TFLOP/s of flare, FA2 (torch
@@ -10,14 +10,13 @@ ceiling; the count of rows at or above 1.0x FA2 (the issue's goal) and the worst
 rows that failed the accuracy check or that a peer refused.
 """
 
-import argparse
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import meta as meta_lib  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from meta import ceiling_gflops  # noqa: E402
+from table import fmt, markdown, measured_line, print_tables  # noqa: E402
 
 PEERS = [("torch-flash", "FA2"), ("torch-cudnn", "cuDNN"), ("torch-efficient", "efficient")]
 
@@ -26,16 +25,10 @@ def is_memory_row(row):
     return "peak_mib" in row or "memory" in row
 
 
-def fmt(x, digits=0):
-    return "-" if x is None else f"{x:.{digits}f}"
-
-
-def source_line(meta):
+def source_line(meta, result):
     c = meta.get("ceilings") or {}
-    dirty = " (with uncommitted changes)" if meta.get("dirty") else ""
-    text = (f"Measured {meta.get('date', '?')} at commit `{meta_lib.commit_text(meta)}`{dirty} on "
-            f"{meta.get('device', '?')} (driver {meta.get('driver', '?')}), torch {meta.get('torch', '?')}, "
-            f"CUDA {meta.get('cuda', '?')}, cuDNN {meta.get('cudnn', '?')}. Command: `{meta.get('command', '?')}`.")
+    text = measured_line(meta, f" (driver {meta.get('driver', '?')}), torch {meta.get('torch', '?')}, "
+                               f"CUDA {meta.get('cuda', '?')}, cuDNN {meta.get('cudnn', '?')}", result)
     if c:
         text += (f" Ceilings of the run: copy {c.get('copy_tbps', '?')} TB/s, bf16 matmul "
                  f"{c.get('matmul_bf16_tflops', '?')} TFLOP/s.")
@@ -57,10 +50,7 @@ def timing_tables(rows, ceiling):
         keys = sorted(k for k in groups if k[0] == pass_)
         if not keys:
             continue
-        out += [f"{title}, TFLOP/s:", "",
-                "| hd | causal | seqlen | batch x heads | flare | FA2 | cuDNN | efficient | flare/FA2 | flare/cuDNN "
-                "| flare % of matmul |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines = []
         for key in keys:
             _, hd, causal, seqlen, batch, nheads = key
             impls = groups[key]
@@ -70,12 +60,14 @@ def timing_tables(rows, ceiling):
             vs_fa2, vs_cudnn = flare.get("vs_fa2"), flare.get("vs_cudnn")
             if vs_fa2 is not None:
                 ratios.append((vs_fa2, pass_, hd, causal, seqlen))
-            share = f"{100 * tf['flare'] / ceiling:.0f}%" if ceiling and tf["flare"] else "-"
+            share = f"{100 * tf['flare'] * 1e3 / ceiling:.0f}%" if ceiling and tf["flare"] else "-"
             mark = " **!**" if flare.get("check_failed") else ""
-            out.append(f"| {hd} | {'yes' if causal else 'no'} | {seqlen} | {batch} x {nheads} "
-                       f"| {fmt(tf['flare'])}{mark} | {fmt(tf['torch-flash'])} | {fmt(tf['torch-cudnn'])} "
-                       f"| {fmt(tf['torch-efficient'])} | {fmt(vs_fa2, 2)} | {fmt(vs_cudnn, 2)} | {share} |")
-        out.append("")
+            lines.append((hd, "yes" if causal else "no", seqlen, f"{batch} x {nheads}", fmt(tf["flare"]) + mark,
+                          fmt(tf["torch-flash"]), fmt(tf["torch-cudnn"]), fmt(tf["torch-efficient"]),
+                          fmt(vs_fa2, 2), fmt(vs_cudnn, 2), share))
+        header = ("hd", "causal", "seqlen", "batch x heads", "flare", "FA2", "cuDNN", "efficient", "flare/FA2",
+                  "flare/cuDNN", "flare % of matmul")
+        out += [f"{title}, TFLOP/s:", "", *markdown(header, lines), ""]
     if ratios:
         at_least = sum(r[0] >= 1.0 for r in ratios)
         worst = min(ratios)
@@ -88,13 +80,11 @@ def memory_table(rows):
     mem = [r for r in rows if is_memory_row(r)]
     if not mem:
         return []
-    out = ["Peak memory of one forward + backward beyond the inputs (causal, bf16, batch 1 x 16 heads x hd 128):",
-           "",
-           "| seqlen | impl | peak extra memory |", "|---|---|---|"]
-    for r in sorted(mem, key=lambda r: (r["seqlen_q"], r["impl"])):
-        peak = f"{r['peak_mib']:,.1f} MiB" if r.get("peak_mib") is not None else f"not run: {r.get('skipped', '?')}"
-        out.append(f"| {r['seqlen_q']} | {r['impl']} | {peak} |")
-    return out
+    lines = [(r["seqlen_q"], r["impl"],
+              f"{r['peak_mib']:,.1f} MiB" if r.get("peak_mib") is not None else f"not run: {r.get('skipped', '?')}")
+             for r in sorted(mem, key=lambda r: (r["seqlen_q"], r["impl"]))]
+    return ["Peak memory of one forward + backward beyond the inputs (causal, bf16, batch 1 x 16 heads x hd 128):",
+            "", *markdown(("seqlen", "impl", "peak extra memory"), lines)]
 
 
 def notes(rows):
@@ -119,20 +109,15 @@ def notes(rows):
     return out
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("result", help="a bench/results/gpu-fwd-bwd-*.json file")
-    args = p.parse_args()
-    with open(args.result) as f:
-        data = json.load(f)
+def render(data, path):
     meta, rows = data["meta"], data["rows"]
-    ceiling = (meta.get("ceilings") or {}).get("matmul_bf16_tflops")
-    out = [source_line(meta), "", *timing_tables(rows, ceiling)]
+    ceiling = ceiling_gflops(meta.get("ceilings") or {}, "bf16")
+    out = [source_line(meta, path), "", *timing_tables(rows, ceiling)]
     for part in (memory_table(rows), notes(rows)):
         if part:
             out += ["", *part]
-    sys.stdout.write("\n".join(out) + "\n")
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    print_tables(__doc__, "gpu-fwd-bwd", render)

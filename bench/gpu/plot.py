@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""TFLOP/s against sequence length from a bench_gpu.py result (bench/results/gpu-fwd-bwd-<date>.json):
+"""TFLOP/s against sequence length from a bench_gpu.py result (bench/results/gpu-fwd-bwd-<date>-<sha>.json):
 one row of subplots per head dim, columns forward / backward x not causal / causal, one line per
 implementation (flare and its peers), the run's bf16 matmul ceiling as a dashed line.
 
-  python3 bench/gpu/plot.py bench/results/gpu-fwd-bwd-2026-12-02.json            -> ...json's stem .png
-  python3 bench/gpu/plot.py RESULT.json -o docs/images/gpu-fwd-bwd.png
+  python3 bench/gpu/plot.py RESULT.json                                           -> RESULT.png
+  python3 bench/gpu/plot.py RESULT.json -o docs/img/<the result's name>.png      (a plot a doc shows)
 
 Needs matplotlib (on the GPU machine it is installed; elsewhere plot from the committed JSON with a Python
 that has it, e.g. python3 -m venv --system-site-packages build/plot-venv && build/plot-venv/bin/pip install

@@ -164,9 +164,7 @@ def main(argv=None):
     if world < 2:
         sys.exit("ring_bench: a ring needs 2 or more processes (on one GPU, bench/gpu/ring_compute.py times "
                  "each rank's compute)")
-    sha, dirty = run_meta.git_commit()
-    meta = {"commit": sha, "dirty": dirty, "date": run_meta.today(), "command": run_meta.command_line(__file__),
-            **run_meta.device_meta(torch), **run_meta.flare_meta(), "gpus": world,
+    meta = {**run_meta.provenance(__file__), **run_meta.device_meta(torch), **run_meta.flare_meta(), "gpus": world,
             "shapes": f"batch 1, {args.heads} heads, head dim {args.headdim}, bf16; global seqlen N split over "
                       "the GPUs (causal: zigzag; full: contiguous)",
             "timing": f"slowest rank's wall time between barriers, median of {args.reps} after one warm-up; "
@@ -180,12 +178,9 @@ def main(argv=None):
         with open(result) as f:
             body = json.load(f)
     out_dir = args.out or (REPO / "bench" / "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
     topic = "ring" + ("-cpu-check" if args.device == "cpu" else "")
-    path = run_meta.default_result_path(out_dir, topic)
-    with open(path, "w") as f:
-        json.dump({"meta": {**meta, "notes": body["notes"]}, "rows": body["rows"]}, f, indent=1)
-        f.write("\n")
+    path = run_meta.write_result(run_meta.default_result_path(out_dir, topic),
+                                 {"meta": {**meta, "notes": body["notes"]}, "rows": body["rows"]})
     print(f"wrote {path} ({len(body['rows'])} rows)")
     return 0
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Ring attention's compute on one GPU: what each rank of a W-GPU ring computes, timed alone, against
 flare on the whole sequence. The transport is left out, so this bounds a multi-GPU run from above; the
-2-GPU run (NCCL, bench/results/ring-<date>.json) is what measures the ring with its communication.
+2-GPU run (NCCL, bench/results/ring-<date>-<sha>.json) is what measures the ring with its communication.
 
 For a global sequence of N tokens (batch 1, bf16, head dim 128, 16 heads: model width 2048) and W ranks,
 rank r's part is run by the real ring_attention code (zigzag split when causal, contiguous otherwise: the
@@ -21,7 +21,6 @@ Timing: CUDA events around each call, median of `reps` after one warm-up call.
 """
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -131,9 +130,7 @@ def main(argv=None):
     import flare.distributed.ring as ring_module
     from flare.flash_attn_interface import flash_attn_func
 
-    sha, dirty = run_meta.git_commit()
-    meta = {"commit": sha, "dirty": dirty, "date": run_meta.today(), "command": run_meta.command_line(__file__),
-            **run_meta.device_meta(torch), **run_meta.flare_meta(),
+    meta = {**run_meta.provenance(__file__), **run_meta.device_meta(torch), **run_meta.flare_meta(),
             "shapes": f"batch 1, {args.heads} heads, head dim {args.headdim}, bf16; global seqlen N split over "
                       "W ranks (causal: zigzag, chunks r and 2W-1-r of 2W; full: contiguous)",
             "what": "compute only: each rank's ring_attention run alone on this GPU with a transport that "
@@ -191,12 +188,8 @@ def main(argv=None):
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     out_dir = args.out or (REPO / "bench" / "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
     topic = "ring-compute" + ("-cpu-check" if args.device == "cpu" else "")
-    path = run_meta.default_result_path(out_dir, topic)
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        f.write("\n")
+    path = run_meta.write_result(run_meta.default_result_path(out_dir, topic), {"meta": meta, "rows": rows})
     print(f"wrote {path} ({len(rows)} rows)")
     return 0
 

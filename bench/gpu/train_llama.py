@@ -11,7 +11,7 @@ Per run: step times (the median after --warmup steps), tokens/s, peak allocated 
 step. Running out of memory (eager at 8K may) is recorded as a result. At the end flare's losses are compared
 with sdpa's step by step; flare tracks sdpa when every step is within 0.02 + 2% of sdpa's loss.
 
-  python3 bench/gpu/train_llama.py --out $OUT                   -> $OUT/train-<date>.json
+  python3 bench/gpu/train_llama.py --out $OUT                   -> $OUT/train-<date>-<sha>.json
   python3 bench/gpu/train_llama.py --device cpu --tiny          a tiny model for 2 steps (checks the script)
 Exit status 1 when flare fails (not by running out of memory) or does not track sdpa.
 """
@@ -29,6 +29,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "python"))
 
 import meta as run_meta  # noqa: E402
@@ -165,7 +166,7 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--tiny", action="store_true", help="a tiny model, context 64 x 2, 2 steps (checks the script)")
-    p.add_argument("--out", type=Path, help="directory for train-<date>.json (default bench/results; with --tiny "
+    p.add_argument("--out", type=Path, help="directory for train-<date>-<sha>.json (default bench/results; with --tiny "
                    "or --device cpu build/bench)")
     args = p.parse_args()
     if args.tiny:
@@ -194,9 +195,7 @@ def main():
     n_params = sum(p.numel() for p in init_model.parameters())
     del init_model
 
-    sha, dirty = run_meta.git_commit()
-    meta = {"commit": sha, "dirty": dirty, "date": run_meta.today(), "command": run_meta.command_line(__file__),
-            **run_meta.device_meta(torch), **run_meta.flare_meta(), "transformers": transformers.__version__,
+    meta = {**run_meta.provenance(__file__), **run_meta.device_meta(torch), **run_meta.flare_meta(), "transformers": transformers.__version__,
             "model": {"class": "LlamaForCausalLM", "parameters": n_params, **spec},
             "training": {"dtype": "bf16 weights, gradients and AdamW states", "optimizer": "AdamW(betas=(0.9, 0.95), "
                          f"weight_decay=0.1, lr={args.lr}, linear warm-up over {args.lr_warmup} steps), "
@@ -220,11 +219,8 @@ def main():
 
     trial = args.tiny or args.device == "cpu"
     out_dir = args.out or (REPO / "build" / "bench" if trial else REPO / "bench" / "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = run_meta.default_result_path(out_dir, "train-tiny" if args.tiny else "train")
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "comparison": comparison, "rows": rows}, f, indent=1)
-        f.write("\n")
+    path = run_meta.write_result(run_meta.default_result_path(out_dir, "train-tiny" if args.tiny else "train"),
+                                 {"meta": meta, "comparison": comparison, "rows": rows})
     print(f"wrote {path}")
     flare_failed = any(r["impl"] == "flare" and r["status"] == "error" for r in rows)
     not_tracking = any(c.get("tracks") is False for c in comparison.values())

@@ -6,17 +6,16 @@ the backward's per-pass times (time_stages lines) as `stages_us`; same_backward'
 Each input is `LABEL=PATH`: LABEL names the tree the binary was built from (a commit, or a commit plus a
 description of the uncommitted change under test), PATH is the text the binary printed.
 
-    python3 bench/gpu/variants_json.py --out bench/results/gpu-tuning-<date>.json \
+    python3 bench/gpu/variants_json.py --out bench/results/gpu-tuning-<date>-<sha>.json \
         --notes "what was compared" abc1234=run1.txt "abc1234+change=run2.txt"
 """
 
 import argparse
-import json
 import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import meta  # noqa: E402
 
 TOKENS = 16384  # tools/cuda_variants.cu: kTokens, kWidth
@@ -104,14 +103,11 @@ def main():
         if not parsed:
             sys.exit(f"variants_json: no result lines in {path}")
         rows += parsed
-    commit, dirty = meta.git_commit()
-    doc = {"meta": {"commit": commit, "dirty": dirty, "date": meta.today(), "device": args.device,
-                    "command": "build/cuda/tools/flare_cuda_variants (tools/cuda_variants.cu: kernels launched "
-                               "directly, CUDA events, median of 20 forward / 10 backward runs after 3 warm-up); "
-                               + meta.command_line(__file__),
-                    "notes": args.notes},
-           "rows": rows}
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    run = meta.provenance(__file__)
+    run.update(device=args.device, notes=args.notes,
+               command="build/cuda/tools/flare_cuda_variants (tools/cuda_variants.cu: kernels launched directly, "
+                       "CUDA events, median of 20 forward / 10 backward runs after 3 warm-up); " + run["command"])
+    meta.write_result(out, {"meta": run, "rows": rows})
     print(f"wrote {len(rows)} rows to {out}")
 
 

@@ -192,9 +192,41 @@ def tensor_view(t):
     rank = t.dim()
     pad = (0,) * (FLARE_MAX_RANK - rank)
     # One struct.pack and one copy: this runs for every tensor of every call, and setting the fields one by
-    # one took 1.6 times as long (bench/cpu/host_cost.py: 6.4 against 4.1 us, host-cost-2026-12-03.json).
+    # one took 1.6 times as long (bench/cpu/host_cost.py: 6.4 against 4.1 us,
+    # bench/results/host-cost-2026-12-03-e0deda4.json).
     return flare_tensor.from_buffer_copy(_TENSOR_PACK.pack(t.data_ptr(), dtype, device, t.device.index or 0, rank,
                                                            *t.shape, *pad, *t.stride(), *pad))
+
+
+def _spans_apart_from_the_problem(params_type):
+    """(offset, size) of the bytes of a params struct that are not the problem: each tensor's data pointer
+    (the alibi_slopes one inside attn too) and exec (stream, threads, workspace)."""
+    pointer = (flare_tensor.data.offset, ctypes.sizeof(c_void_p))
+    spans = []
+    for name, field_type in params_type._fields_:
+        offset = getattr(params_type, name).offset
+        if field_type is flare_tensor:
+            spans.append((offset + pointer[0], pointer[1]))
+        elif field_type is flare_attn_options:
+            spans.append((offset + flare_attn_options.alibi_slopes.offset + pointer[0], pointer[1]))
+        elif field_type is flare_exec_options:
+            spans.append((offset, ctypes.sizeof(flare_exec_options)))
+    return tuple(spans)
+
+
+_PROBLEM_SPANS = {t: _spans_apart_from_the_problem(t)
+                  for t in (flare_fwd_params, flare_bwd_params, flare_kvcache_params)}
+
+
+def problem_key(params):
+    """The bytes of a params struct with its data pointers and exec zeroed: equal for two calls that pose the
+    same problem (shapes, strides, dtypes, devices, options) on different data or streams. What flare decides
+    from the params alone (the workspace size on CUDA, where it reads no tensor's contents) is the same for
+    equal keys."""
+    raw = bytearray(bytes(params))
+    for offset, size in _PROBLEM_SPANS[type(params)]:
+        raw[offset:offset + size] = bytes(size)
+    return type(params), bytes(raw)
 
 
 def _candidate_paths():

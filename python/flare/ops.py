@@ -64,19 +64,38 @@ def _exec_options(ref: Tensor):
     return ex
 
 
+# Workspace bytes per problem (_capi.problem_key). flare's size query validates the params exactly as the call
+# does, so asking it before every call validated every call twice; the answer depends on the problem and the
+# device alone, so each problem asks once and every later call validates once, in the call itself.
+_WORKSPACE_SIZES_KEPT = 1024
+_workspace_sizes = {}
+
+
+def _workspace_bytes(p, entry, workspace_size):
+    key = (entry.__name__, _capi.problem_key(p))
+    nbytes = _workspace_sizes.get(key)
+    if nbytes is None:
+        nbytes = workspace_size(p)
+        if len(_workspace_sizes) >= _WORKSPACE_SIZES_KEPT:  # shapes that keep changing: start over
+            _workspace_sizes.clear()
+        _workspace_sizes[key] = nbytes
+    return nbytes
+
+
 def _run(ref: Tensor, entry, workspace_size, p):
-    """Calls entry(p) for tensors on ref's device, with p.exec set for it (_exec_options). On CUDA the call runs with ref's device current (so a
-    tensor on cuda:1 works whatever the current device is) and its scratch is a workspace from torch's
-    caching allocator, sized by flare's query: flare then allocates nothing itself, which keeps the call
-    capturable in a CUDA graph and its memory visible to torch. The workspace is released when this returns;
-    the allocator hands it out again only to later work on the same stream, so the kernel keeps it."""
+    """Calls entry(p) for tensors on ref's device, with p.exec set for it (_exec_options). On CUDA the call
+    runs with ref's device current (so a tensor on cuda:1 works whatever the current device is) and its
+    scratch is a workspace from torch's caching allocator, sized by flare's query (asked once per problem:
+    _workspace_bytes): flare then allocates nothing itself, which keeps the call capturable in a CUDA graph
+    and its memory visible to torch. The workspace is released when this returns; the allocator hands it out
+    again only to later work on the same stream, so the kernel keeps it."""
     if ref.device.type != "cuda":
         p.exec = _exec_options(ref)
         entry(p)
         return
     with torch.cuda.device(ref.device):
         p.exec = _exec_options(ref)
-        nbytes = workspace_size(p)
+        nbytes = _workspace_bytes(p, entry, workspace_size)
         workspace = None
         if nbytes:
             workspace = torch.empty(nbytes, dtype=torch.uint8, device=ref.device)

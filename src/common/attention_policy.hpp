@@ -1,5 +1,5 @@
 // attention_policy.hpp — which keys a query sees and how a score is shaped: the small policy objects shared
-// by every backend (CPU now, CUDA later), so all paths agree by construction.
+// by the CPU and CUDA backends, so all paths agree by construction.
 //
 // Positions are relative to one sequence: query i in [0, seqlen_q), key j in [0, seqlen_k). The diagonal
 // of query i is key i + seqlen_k - seqlen_q (bottom-right alignment, as in FlashAttention).

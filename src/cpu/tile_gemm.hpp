@@ -163,7 +163,7 @@ inline void gemm_micro(const typename Ops::In* __restrict a, int64_t lda, const 
   // The block starts from zero even when accumulating: C is added once, after the k loop. Loaded first, C
   // put its load latency (often an L2 miss: the B panel streams through L1 between visits to C) in front
   // of every accumulator's first multiply-add; measured 6-9% slower on a 64 x 128 x 128 tile (Zen 4,
-  // cpu-gemm-micro-2026-12-04.json).
+  // bench/results/cpu-gemm-micro-2026-12-04-294207c.json).
   typename Ops::VC acc[R][NV];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)

@@ -147,3 +147,53 @@ def test_introspection():
     assert flare.version() == "0.1.0"
     assert flare.cpu_isa() in ("amx", "avx512bf16", "avx512", "avx2", "generic")
     assert flare.has_cuda() in (True, False)
+
+
+def _bwd_params(shape_q, deterministic=False, stream=0):
+    """bwd params over fresh tensors of the given query shape (keys like queries)."""
+    lib = flare.library()
+    tv = _capi_tensor_view
+    q, k, v, out, dout = (torch.randn(shape_q) for _ in range(5))
+    lse = torch.randn(shape_q[0], shape_q[2], shape_q[1])
+    dq, dk, dv = torch.empty(shape_q), torch.empty(shape_q), torch.empty(shape_q)
+    p = lib.bwd_params()
+    p.q, p.k, p.v, p.out, p.dout, p.softmax_lse = tv(q), tv(k), tv(v), tv(out), tv(dout), tv(lse)
+    p.dq, p.dk, p.dv = tv(dq), tv(dk), tv(dv)
+    p.deterministic = int(deterministic)
+    p.exec.stream = stream
+    return p, (q, k, v, out, dout, lse, dq, dk, dv)
+
+
+def _capi_tensor_view(t):
+    from flare import _capi
+    return _capi.tensor_view(t)
+
+
+def test_problem_key_ignores_data_and_stream_only():
+    from flare import _capi
+    a, keep_a = _bwd_params((2, 16, 4, 32))
+    b, keep_b = _bwd_params((2, 16, 4, 32), stream=1234)  # other tensors, another stream: the same problem
+    assert a.q.data != b.q.data and _capi.problem_key(a) == _capi.problem_key(b)
+    c, keep_c = _bwd_params((2, 17, 4, 32))
+    d, keep_d = _bwd_params((2, 16, 4, 32), deterministic=True)
+    assert len({_capi.problem_key(p) for p in (a, c, d)}) == 3
+
+
+def test_workspace_query_once_per_problem(monkeypatch):
+    """ops._run asks flare for a CUDA call's workspace size once per problem: the query validates as the call
+    does, so asking it every time validated every call twice."""
+    monkeypatch.setattr(ops, "_workspace_sizes", {})
+    asked = []
+
+    def query(p):
+        asked.append(p)
+        return 4096
+
+    def entry(p):
+        pass
+
+    first, keep1 = _bwd_params((1, 8, 2, 16))
+    again, keep2 = _bwd_params((1, 8, 2, 16))
+    other, keep3 = _bwd_params((1, 9, 2, 16))
+    assert [ops._workspace_bytes(p, entry, query) for p in (first, again, other, again)] == [4096] * 4
+    assert asked == [first, other]

@@ -88,6 +88,12 @@ class _RingAttention(torch.autograd.Function):
 
 
 # ---- validation ---------------------------------------------------------------------------------------
+# These checks run before the ring starts, although flare's C ABI makes most of them again in every block call
+# (dtypes, head counts, head dims, windows, softcap, ALiBi): a rank posts its first K/V transfer before its
+# first block call, so an error raised there would leave the other ranks waiting on a transfer that never
+# completes (with NCCL, a hang instead of a message). Raised here, on every rank alike (each gets the same
+# shapes and options), nothing has been sent. The others only the ring can check: q, k and v of one sharded
+# sequence, zigzag chunks of even length, cu_seqlens_k equal to cu_seqlens_q, NCCL's CUDA tensors.
 
 
 def _check_tensors(q: Tensor, k: Tensor, v: Tensor, rank: int, ring: Ring, what: str):

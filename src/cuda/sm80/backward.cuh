@@ -334,8 +334,8 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
               thr_a_sdp, thr_b_sdp);
 
       // P = exp2(x - lse) and dS = P (dP - D) (times 1 - tanh² under softcap), element by element as the
-      // scores are shaped. Both products come first: P computed between them (stored while dP runs) timed
-      // 4-7% slower on the H200 (bench/results/gpu-tuning-2026-12-01-3.json).
+      // scores are shaped. Both products come first: P computed between them (stored while dP runs) is slower
+      // (docs/tuning-sm80.md, "Backward: the passes around the main kernel").
       Tensor s = rowcol(acc_s);
       Tensor dp = rowcol(acc_dp);
       const auto p_and_ds = [&](int r, int c, float x, float dtanh) {
@@ -391,9 +391,9 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
       // a causal mask), then the whole ones run without it, then the rest (a window's far edge, the end of the
       // rows) take it again. Each loop is compiled for its case: with the mask under a run-time condition,
       // ptxas predicated its compares into the element loop, so that tiles without it still issued them (a
-      // seventh of all instructions at head dim 64 without a mask: bench/results/gpu-profile-2026-12-02.json);
-      // apart, 1.03-1.07x at head dims 64 and 256, 1.00-1.01x at 128 (gpu-tuning-2026-12-02.json). The
-      // kernel with softcap or ALiBi keeps one loop: its score transform runs on every tile anyway.
+      // seventh of all instructions at head dim 64 without a mask; docs/tuning-sm80.md, "Backward: masked and
+      // whole tiles apart"). The kernel with softcap or ALiBi keeps one loop: its score transform runs on
+      // every tile anyway.
       int m = m_first;
       for (; m < m_last && !seeing_all.covers(m * kBlockM, kBlockM); ++m) visit(m, std::true_type{});
       for (; m < m_last && seeing_all.covers(m * kBlockM, kBlockM); ++m) visit(m, std::false_type{});
@@ -471,8 +471,8 @@ __global__ void __launch_bounds__(T::kThreads, MinBlocksOf<T>::value) backward_k
 // block k of 4 x kThreads floats, which in the fragment order (top) are element i = 4u / kThreads + 4k of
 // threads t = 4u mod kThreads .. t + 3, and puts them at those threads' (row, column) of a shared-memory tile;
 // the tile goes out in 16-byte row vectors. One column slice at a time. (Read as four-byte words and written
-// straight from the fragments two bytes at a time, the pass took 3.4 times as long: 198 against 58 us at head
-// dim 64, bench/results/gpu-tuning-2026-12-02-5.json.)
+// straight from the fragments two bytes at a time, the pass took 3.4 times as long: docs/tuning-sm80.md,
+// "Backward: the passes around the main kernel".)
 template <class T>
 __global__ void __launch_bounds__(T::kThreads) dq_kernel(const __grid_constant__ BwdParams p) {
   using Element = typename T::Element;

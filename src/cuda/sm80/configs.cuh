@@ -5,21 +5,18 @@
 // Forward: 128 query rows per CTA, 32 per warp (4 warps) up to head dim 128 — fewer rows per warp would make
 // shared-memory reads of K and V the bottleneck — and 16 per warp (8 warps) beyond, where a 32-row output
 // accumulator alone would exceed the 255-register budget. Key tiles: 64, except 32 in head dim 128's kernel
-// with the score transform (64 spilled registers there; its kernel with the mask alone takes 64,
-// FwdConfigOf::Plain). At head dim 64, 128-key tiles (once the choice without a mask) leave no registers for
-// the skipped rescale of forward.cuh; 64-key tiles with it timed 1.10-1.13x faster
-// (gpu-tuning-2026-12-01-4.json). Short sequences take 64-row tiles instead (forward_shape). Chosen by timing
-// variants on the H200 (bench/results/gpu-tuning-*.json).
+// with the score transform (64 spills there; its kernel with the mask alone takes 64, FwdConfigOf::Plain).
+// At head dim 64, 128-key tiles would leave no registers for the skipped rescale of forward.cuh, which is
+// worth more. Short sequences take 64-row tiles instead (forward_shape).
 // Backward: the K/V tile stays in shared memory while query tiles stream (Q and dO double-buffered);
 // key tiles of 128 up to head dim 128, 64 beyond, where dK and dV accumulators grow with the head dim;
 // query tiles of 128 at head dims <= 64 (half the passes over each K/V tile), 64 beyond. At head dims 192 and
 // 256 the dK/dV and dQ products put 4 warps along the head dim (one third less shared-memory traffic than 2;
-// 160 and 224 are not multiples of 64). From head dim 160 dQ is computed in column slices (kDqCols), each
-// accumulated before the next: 3-5% faster at 192-256 (224 measured for 160 too); at head dim 64 in 32-column
-// slices, 1.4-3.1% faster from seqlen 1024 on and at causal 512, 0.5% slower at 512 without a mask
-// (gpu-tuning-2026-12-04-5.json), where BwdShortOf's twin runs and keeps the whole width. The 128-row tiles
-// at head dim 64 timed 5-9% faster than 64 rows (bench/results/gpu-tuning-2026-12-01-3.json).
-// Each has a small-shared-memory twin for sm_86 / sm_89 (SmemClass, params.hpp).
+// 160 and 224 are not multiples of 64). From head dim 160, and at head dim 64 beyond backward_short, dQ is
+// computed in column slices (kDqCols), each accumulated before the next, which leaves the dK/dV accumulators
+// their registers.
+// Every choice here was timed on the H200: docs/tuning-sm80.md, "Forward tile shapes" and "Backward tile
+// shapes", has the figures. Each has a small-shared-memory twin for sm_86 / sm_89 (SmemClass, params.hpp).
 #pragma once
 
 #include <algorithm>
@@ -41,9 +38,9 @@ struct FwdConfigOf {
   static constexpr int kBlockN = kHeadDim == 128 ? 32 : 64;
   static constexpr int kWarps = kHeadDim <= 128 ? 4 : 8;
   using Short = FwdTraits<Element, kHeadDim, 64, 64, 4>;
-  // Head dim 128's long shape runs masked and whole key tiles in separate loops: 1.01-1.04x at every mask and
-  // length (gpu-tuning-2026-12-01-6.json); at the other shapes the split was 1-17% slower (more registers,
-  // so less occupancy, or spills) in the kernel that carries softcap and ALiBi.
+  // Head dim 128's long shape runs masked and whole key tiles in separate loops; at the other shapes the split
+  // costs registers (occupancy, or spills) in the kernel that carries softcap and ALiBi, and is slower
+  // (docs/tuning-sm80.md, "Forward: masked and whole tiles apart").
   using Long = FwdTraits<Element, kHeadDim, 128, kBlockN, kWarps, kHeadDim == 128>;
   using type = std::conditional_t<
       kShape == FwdShape::kShort, Short,
@@ -52,18 +49,12 @@ struct FwdConfigOf {
   // The kernel with the mask alone (FwdTraits::kPlain) for calls without softcap and ALiBi — with a mask
   // only where kPlainMaskedOnly — or void where `type` runs them too. It runs the masked and the whole key
   // tiles in separate loops (kMaskLoopApart), which only this kernel affords at most shapes.
-  // - Head dim 128, long shape: 64-key tiles (spilling 208 bytes), the rescale never skipped: 1.02-1.03x the
-  //   32-key kernel without a mask at 512-1024 and under a causal mask at 1024-2048, within 1% at longer
-  //   lengths, 0.98x at causal 512 (gpu-tuning-2026-12-02-4.json); the 32-key kernel with the mask alone was
-  //   1.07-1.14x the one with the transform (gpu-tuning-2026-12-02-2.json).
-  // - Head dims 32 and 64, long shape, masked calls only, the rescale never skipped: 1.04-1.05x at causal
-  //   1024 and 2048, within 1% from 4096 on; calls without a mask keep `type`, 0-2% faster for them
-  //   (gpu-tuning-2026-12-02-3.json).
-  // - Above head dim 128, short shape: 1.01-1.04x the short kernel with the transform at every length and
-  //   mask, and above the long shape too in the variants tool (gpu-tuning-2026-12-02-4.json), so these calls
-  //   always take the short shape (forward_shape). In the L2-flushed benchmark the long shape had been 2%
-  //   faster without a mask at 2048-8192 (gpu-fwd-bwd-2026-12-02-3.json against -4.json).
-  // Elsewhere it was no faster (gpu-tuning-2026-12-02-2.json).
+  // - Head dim 128, long shape: 64-key tiles (spilling 208 bytes), the rescale never skipped.
+  // - Head dims 32 and 64, long shape, masked calls only, the rescale never skipped; calls without a mask
+  //   keep `type`, which is faster for them.
+  // - Above head dim 128, short shape: faster than the kernel with the transform at every length and mask,
+  //   and than the long shape, so these calls always take the short shape (forward_shape).
+  // Elsewhere it is no faster. Figures: docs/tuning-sm80.md, "Forward: the kernel with the mask alone".
   static constexpr bool kPlainMaskedOnly = kHeadDim < 128;
   using LongPlain = std::conditional_t<kHeadDim <= 64 || kHeadDim == 128,
                                        FwdTraits<Element, kHeadDim, 128, 64, kWarps, true, true, false>, void>;
@@ -75,10 +66,8 @@ struct FwdConfigOf {
   // fill the tile and whose rows see few key tiles (forward_few_keys), or void. A warp skips the rescale only
   // when none of its rows moved its maximum, and over random scores a row's maximum moves in its k-th key tile
   // with chance 1/k: across the first few tiles nearly every tile rescales, and the skip's test and the
-  // corrections it keeps live cost without saving. Head dim 256, short shape, side by side
-  // (gpu-tuning-2026-12-04-2.json): 1.01-1.03x at seqlen 512 and 1024, level at 2048-4096, 0.97-0.99x from 8192;
-  // ptxas spills 40 bytes per thread in it against 72. Elsewhere not timed, or slower (head dim 64's long
-  // shape at 512, gpu-tuning-2026-12-02-3.json).
+  // corrections it keeps live cost without saving (it also spills less). Head dim 256's short shape only:
+  // elsewhere it was not timed, or slower (docs/tuning-sm80.md, "Forward: the skipped rescale").
   using PlainFewKeys =
       std::conditional_t<kHeadDim == 256 && std::is_same_v<type, Short>,
                          FwdTraits<Element, kHeadDim, 64, 64, 4, true, true, /*kSkipSettledRescale=*/false>, void>;
@@ -93,18 +82,16 @@ using FwdConfig = typename FwdConfigOf<Element, kHeadDim, kShape, kClass>::type;
 
 // Which forward shape a call runs (a run-time choice: the shapes are compiled side by side). 64-row query
 // tiles win where a 128-row CTA's work is short and, under a causal mask, a large part of it sits on the
-// diagonal: on the H200 (bench/results/gpu-tuning-2026-12-01-3.json, 16384 tokens, bf16) they were 1.34x
-// faster at head dim 64, causal, seqlen 512, 1.11x at 1024 and even at 2048. Since then:
+// diagonal. The thresholds, as timed per head dim (docs/tuning-sm80.md, "Forward: short and long shapes"):
 // - Head dims 32 and 64: the long shape's kernel with the mask alone (FwdConfigOf::Plain) matches the short
-//   shape at causal 512 and beats it by 1.04x at 1024 (gpu-tuning-2026-12-02-3.json), so masked calls
-//   without softcap and ALiBi take the short shape up to 512 only, those with them up to 1024.
-// - Head dim 128: the long shape's kernel with the mask alone beat the short shape at every length (1.01x
-//   causal at 512, 1.03x at 1024: gpu-tuning-2026-12-02-2.json), so it runs the long shape throughout.
+//   shape at causal 512 and beats it beyond, so masked calls without softcap and ALiBi take the short shape up
+//   to 512 only, those with them up to 1024.
+// - Head dim 128: the long shape's kernel with the mask alone beats the short shape at every length, so it
+//   runs the long shape throughout.
 // - Head dim 256, with the whole-dims kernels (FwdTraits::kWholeDimsKernel): calls without softcap and ALiBi
 //   always take the short shape, whose kernel with the mask alone beats the long shape at every length
-//   (FwdConfigOf::Plain). For the others, under a causal mask the short shape is 1.03-1.17x faster up to
-//   4096, even at 8192, and the long one 1.04x faster at 16384; without a mask short is 1.02x faster at 512,
-//   even at 1024, and long 1.02-1.04x faster from 2048 (gpu-tuning-2026-12-02-3.json).
+//   (FwdConfigOf::Plain). For the others the short shape wins under a causal mask up to 8192 and without a
+//   mask up to 1024.
 // Head dim 32 follows 64 and 160-224 follow 256; head dim 96 keeps the rule 128 had before its kernel with the
 // mask alone, the short shape for masked calls up to 1024 (none timed separately).
 // seqlen_q is the longest sequence (varlen: an upper bound).
@@ -175,12 +162,10 @@ using BwdShapedConfig = typename BwdShapedConfigOf<Element, kHeadDim, kClass>::t
 
 // The backward of short sequences without softcap and ALiBi (backward_short): T with each query tile's lse and
 // D copied into shared memory alongside its Q and dO (BwdTraits::kStatsInSmem) and dQ computed whole (kDqCols
-// 0: 32-column slices were 1% slower there, gpu-tuning-2026-12-04-5.json), or void where T is kept.
-// Head dim 64, large class, on the H200: at seqlen 512 the backward went from 0.969x FA2 to 1.015x without a
-// mask and from 1.004x to 1.017x causal (bench/results/gpu-fwd-bwd-2026-12-02-9.json, then -12-04.json).
-// Each configuration launched as named at every length (bench/results/gpu-tuning-2026-12-04-5.json, no L2
-// flush), against the one beyond the threshold (32-column dQ slices): 1.00-1.08x at 512, 0.97-1.00x at 1024,
-// 0.93-0.96x from 2048 on, where each CTA's many visits hide the global loads of lse and D.
+// 0: slices are slower there), or void where T is kept. Head dim 64, large class: over a short sequence's
+// few visits per CTA the global loads of lse and D are not hidden, over a long one's many they are, and
+// there the configuration beyond the threshold is faster (docs/tuning-sm80.md, "Backward: short sequences
+// at head dim 64").
 template <class T>
 struct BwdShortOf {
   using type = void;

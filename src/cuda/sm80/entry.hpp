@@ -10,9 +10,6 @@
 
 namespace flare::cuda::sm80 {
 
-// Head-dim tiles a build may contain (CMake's FLARE_HEADDIMS picks a subset).
-constexpr int kHeadDimTiles[] = {32, 64, 96, 128, 160, 192, 224, 256};
-
 // Each takes the shared-memory class of the configuration to run (SmemClass, params.hpp; backend.cu picks it).
 template <flare_dtype kDtype, int kHeadDim>
 cudaError_t run_forward(AttnParams const& p, cudaStream_t stream, SmemClass c);

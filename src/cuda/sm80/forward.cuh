@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
   const int hk = h / (p.nheads / p.nheads_k);
   // The score shape and the key tiles this query tile sees: built here, or with T::kEarlyCopies after the
   // prologue's copies are issued (the key tiles, which the copies need, from the mask alone). Built later for
-  // every kernel, head dim 256 ran 2-4% slower (bench/results/gpu-tuning-2026-12-02-8.json).
+  // every kernel, head dim 256 ran slower (docs/tuning-sm80.md, "Forward: copy order in the prologue").
   ScoreShape shape;
   Span seen_by_all = Span::none();  // key tiles inside need no mask
   int n_first, n_last;
@@ -154,8 +154,9 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
 
   // One key tile; `masked`: whether it takes the mask, a bool or (T::kMaskLoopApart) a compile-time constant.
   // Always inlined: called from up to three loops, a call would take the accumulators it captures by reference
-  // out of registers into local memory. (ptxas schedules this form 4-8% faster than the same body written in
-  // the loop at head dim 64's short shape, and the same elsewhere: gpu-tuning-2026-12-01-6.json.)
+  // out of registers into local memory. (ptxas schedules this form faster than the same body written in the
+  // loop at head dim 64's short shape, and the same elsewhere: docs/tuning-sm80.md, "Forward: masked and
+  // whole tiles apart".)
   const auto visit = [&](int n, auto masked) __attribute__((always_inline)) {
     const bool is_masked = masked;
     const int n0 = n * kBlockN;

@@ -19,7 +19,7 @@ using MmaAtom = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
 // Whether this compilation pass emits the body of a kernel of class `c`: a cubin holds the class its GPUs
 // run — both for sm_80 (its cubin also runs on sm_86 / sm_89 when theirs are not built), the small one for
 // sm_86..sm_89, the large one for sm_90 — unless FLARE_CUDA_ALL_CONFIGS (test builds). backend.cu's choice
-// of class follows the same rule (sm80::body_compiled_for).
+// of class follows the same rule.
 template <SmemClass c>
 constexpr bool body_here() {
 #if defined(__CUDA_ARCH__) && !defined(FLARE_CUDA_ALL_CONFIGS)
@@ -63,8 +63,8 @@ struct GmemCopy {
 // It keeps a correction per row live across a branch: with score and output accumulators of 192 registers
 // per thread (head dim 64, 128-key tiles) that made ptxas spill 13 KB per thread, hence the default.
 // kEarlyCopies: the prologue's copies (Q, the first key tile) are issued before the score shape and the MMA
-// set-up are computed, which then run while they land; else after them. Head dim 128: 0-2% faster on 11 of
-// 12 lengths and masks (gpu-tuning-2026-12-02-7.json); at head dims 64 and 256 mixed or up to 5% slower.
+// set-up are computed, which then run while they land; else after them. Faster at head dim 128 only
+// (docs/tuning-sm80.md, "Forward: copy order in the prologue").
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, bool kMaskLoopApart_ = false,
           bool kPlain_ = false,
           bool kSkipSettledRescale_ = kBlockM_ * (kBlockN_ + kHeadDim_) / (32 * kWarps_) <= 160,
@@ -76,14 +76,13 @@ struct FwdTraits {
   static constexpr bool kSkipSettledRescale = kSkipSettledRescale_;
   static constexpr bool kEarlyCopies = kEarlyCopies_;
   // Whether calls whose head dims fill the tile get a kernel of their own, with no column predicates on the K
-  // and V copies (forward.cuh). Above head dim 128 ptxas schedules the loop with both copy paths 2-6% slower
-  // (head dim 256: gpu-tuning-2026-12-02-3.json); at 64 and 128 the twin timed within noise, so those
-  // compile one kernel.
+  // and V copies (forward.cuh). Above head dim 128 ptxas schedules the loop with both copy paths slower; at 64
+  // and 128 the twin timed within noise, so those compile one kernel (docs/tuning-sm80.md, "Forward: whole
+  // head dims").
   static constexpr bool kWholeDimsKernel = kHeadDim_ > 128;
   // Whether the prologue loads the first key tile's V with its K (in a copy group of its own, so that the
-  // first visit waits for Q and K alone) instead of in the first visit: from head dim 128, 1-4% faster under a
-  // causal mask up to 2048 and 1% at head dim 256 without one, within noise elsewhere; at head dim 64 1-5%
-  // slower (gpu-tuning-2026-12-02-5.json).
+  // first visit waits for Q and K alone) instead of in the first visit: faster from head dim 128, slower at
+  // head dim 64 (docs/tuning-sm80.md, "Forward: copy order in the prologue").
   static constexpr bool kFirstVEarly = kHeadDim_ >= 128;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
