@@ -23,6 +23,7 @@
 #include "cuda/common/scores.cuh"
 #include "cuda/sm90/gmma_views.cuh"
 #include "cuda/sm90/kernel_traits.cuh"
+#include "cuda/sm90/tile_scheduler.hpp"
 
 namespace flare::cuda::sm90 {
 
@@ -66,20 +67,30 @@ __device__ __forceinline__ void convert_into(Dst& dst, Src const& src) {
       conv(*reinterpret_cast<const cutlass::Array<float, N>*>(src.data()));
 }
 
-// ---- producer: one thread of warpgroup 0
+// State that carries from one tile of a persistent CTA to the next: where each side is in the K and V rings
+// and the parity of the Q barriers' phase (one Q per non-empty tile).
+template <int kStages>
+struct CarriedState {
+  RingPos<kStages> k;
+  RingPos<kStages> v;
+  uint32_t q_phase = 0;
+};
+
+// ---- producer: one thread of warpgroup 0, one tile
 template <class T>
 __device__ __forceinline__ void produce(typename T::Params const& params, typename T::SharedStorage& ss,
-                                        int m_block, int h, int hk, int b, policy::KeyBlocks const& blocks) {
-  using Element = typename T::Element;
+                                        FwdTileCoord tile, policy::KeyBlocks const& blocks,
+                                        CarriedState<T::kStages>& st) {
   AttnParams const& p = params.attn;
+  const int hk = tile.head / (p.nheads / p.nheads_k);
   Tensor mQ = params.tma_q.get_tma_tensor(make_shape(p.seqlen_q, p.headdim, p.nheads, p.batch));
   Tensor mK = params.tma_k.get_tma_tensor(make_shape(p.seqlen_k, p.headdim, p.nheads_k, p.batch));
   Tensor mV = params.tma_v.get_tma_tensor(make_shape(p.seqlen_k, p.headdim_v, p.nheads_k, p.batch));
-  Tensor gQ = local_tile(mQ(_, _, h, b), Shape<typename T::BlockM, typename T::HeadDim>{},
-                         make_coord(m_block, _0{}));  // (M, D)
-  Tensor gK = local_tile(mK(_, _, hk, b), Shape<typename T::BlockN, typename T::HeadDim>{},
+  Tensor gQ = local_tile(mQ(_, _, tile.head, tile.batch), Shape<typename T::BlockM, typename T::HeadDim>{},
+                         make_coord(tile.m_block, _0{}));  // (M, D)
+  Tensor gK = local_tile(mK(_, _, hk, tile.batch), Shape<typename T::BlockN, typename T::HeadDim>{},
                          make_coord(_, _0{}));  // (N, D, n)
-  Tensor gV = local_tile(mV(_, _, hk, b), Shape<typename T::BlockN, typename T::HeadDim>{},
+  Tensor gV = local_tile(mV(_, _, hk, tile.batch), Shape<typename T::BlockN, typename T::HeadDim>{},
                          make_coord(_, _0{}));  // (N, D, n)
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutKV{});
@@ -88,23 +99,25 @@ __device__ __forceinline__ void produce(typename T::Params const& params, typena
   auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
   auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
-  RingPos<T::kStages> kpos, vpos;
   const auto load_k = [&](int n) {
-    uint64_t& full = ss.k_ring.acquire(kpos, T::kKVBytes);
-    copy(params.tma_k.with(full, 0, TMA::CacheHintSm90::EVICT_LAST), tKgK(_, n), tKsK(_, kpos.stage));
-    kpos.advance();
+    uint64_t& full = ss.k_ring.acquire(st.k, T::kKVBytes);
+    copy(params.tma_k.with(full, 0, TMA::CacheHintSm90::EVICT_LAST), tKgK(_, n), tKsK(_, st.k.stage));
+    st.k.advance();
   };
   const auto load_v = [&](int n) {
-    uint64_t& full = ss.v_ring.acquire(vpos, T::kKVBytes);
-    copy(params.tma_v.with(full, 0, TMA::CacheHintSm90::EVICT_LAST), tVgV(_, n), tVsV(_, vpos.stage));
-    vpos.advance();
+    uint64_t& full = ss.v_ring.acquire(st.v, T::kKVBytes);
+    copy(params.tma_v.with(full, 0, TMA::CacheHintSm90::EVICT_LAST), tVgV(_, n), tVsV(_, st.v.stage));
+    st.v.advance();
   };
   // The consumers' order: S of the last block first; then each step needs K(n) before V(n + 1).
   const int first = static_cast<int>(blocks.first);
   const int last = static_cast<int>(blocks.last);
   load_k(last - 1);
+  // Q's buffer is free once the previous tile's consumers are done with it (a fresh CTA's wait returns at once).
+  cutlass::arch::ClusterBarrier::wait(&ss.q_empty, st.q_phase ^ 1);
   cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full, T::kQBytes);
   copy(params.tma_q.with(ss.q_full, 0, TMA::CacheHintSm90::EVICT_FIRST), tQgQ, tQsQ);
+  st.q_phase ^= 1;
   for (int n = last - 1; n > first; --n) {
     load_k(n - 1);
     load_v(n);
@@ -112,10 +125,11 @@ __device__ __forceinline__ void produce(typename T::Params const& params, typena
   load_v(first);
 }
 
-// ---- consumers: warpgroups 1..kMmaWarpgroups
+// ---- consumers: warpgroups 1..kMmaWarpgroups, one tile
 template <class T>
 __device__ __forceinline__ void consume(typename T::Params const& params, typename T::SharedStorage& ss,
-                                        int m_block, int h, int b, policy::KeyBlocks const& blocks) {
+                                        FwdTileCoord tile, policy::KeyBlocks const& blocks,
+                                        CarriedState<T::kStages>& st) {
   using Element = typename T::Element;
   using BlockM = typename T::BlockM;
   using BlockN = typename T::BlockN;
@@ -124,7 +138,9 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
   const int ctid = threadIdx.x - 128;  // thread index among the consumers
   const int wg = ctid / 128;           // consumer warpgroup
   const bool leader = ctid % 128 == 0;
-  const int m0 = m_block * T::kBlockM;
+  const int m0 = tile.m_block * T::kBlockM;
+  const int h = tile.head;
+  const int b = tile.batch;
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutKV{});
@@ -163,7 +179,8 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
     row_sum[r] = 0.f;
   }
 
-  // Matmul turns among the consumer warpgroups: each waits for its turn before issuing, and passes it on.
+  // Matmul turns among the consumer warpgroups: each waits for its turn before issuing, and passes it on. The
+  // first turn is handed to warpgroup 0 once per CTA (forward_kernel); turns run on across tiles.
   constexpr int kW = T::kMmaWarpgroups;
   const auto turn_wait = [&] {
     if constexpr (kW > 1) cutlass::arch::NamedBarrier::sync(256, barrier_id(FwdBarrier::kWarpgroupTurn, wg));
@@ -203,45 +220,42 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
     }
   };
 
-  RingPos<T::kStages> kpos, vpos;
   const int first = static_cast<int>(blocks.first);
   const int last = static_cast<int>(blocks.last);
   const int ulo = static_cast<int>(blocks.unmasked_lo);
   const int uhi = static_cast<int>(blocks.unmasked_hi);
-  if (first < last) {
-    if constexpr (kW > 1) {
-      if (wg == kW - 1) cutlass::arch::NamedBarrier::arrive(256, barrier_id(FwdBarrier::kWarpgroupTurn, 0));
-    }
-    cutlass::arch::ClusterBarrier::wait(&ss.q_full, 0);
+  const bool any_keys = first < last;
+  if (any_keys) {
+    cutlass::arch::ClusterBarrier::wait(&ss.q_full, st.q_phase);
     // The last key block: S alone.
     {
-      ss.k_ring.wait(kpos);
+      ss.k_ring.wait(st.k);
       turn_wait();
-      wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, kpos.stage), tSrS);
+      wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, st.k.stage), tSrS);
       turn_pass();
       warpgroup_wait<0>();
-      ss.k_ring.release(kpos, leader);
-      kpos.advance();
+      ss.k_ring.release(st.k, leader);
+      st.k.advance();
       float correction[kRows];
       softmax(last - 1, last - 1 >= uhi || last - 1 < ulo, correction);
       convert_into(tOrP, tSrS);
     }
     // Block n: issue S(n) and O += P(n + 1)·V(n + 1), softmax of S(n) while the second runs.
     const auto step = [&](int n, bool masked) __attribute__((always_inline)) {
-      ss.k_ring.wait(kpos);
+      ss.k_ring.wait(st.k);
       turn_wait();
-      wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, kpos.stage), tSrS);
-      ss.v_ring.wait(vpos);
-      wgmma<false>(mma_pv, tOrP, tOrV(_, _, _, vpos.stage), tOrO);
+      wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, st.k.stage), tSrS);
+      ss.v_ring.wait(st.v);
+      wgmma<false>(mma_pv, tOrP, tOrV(_, _, _, st.v.stage), tOrO);
       turn_pass();
       warpgroup_wait<1>();
-      ss.k_ring.release(kpos, leader);
-      kpos.advance();
+      ss.k_ring.release(st.k, leader);
+      st.k.advance();
       float correction[kRows];
       softmax(n, masked, correction);
       warpgroup_wait<0>();
-      ss.v_ring.release(vpos, leader);
-      vpos.advance();
+      ss.v_ring.release(st.v, leader);
+      st.v.advance();
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         CUTE_UNROLL
@@ -254,15 +268,16 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
     for (; n >= first && n >= ulo; --n) step(n, false);
     for (; n >= first; --n) step(n, true);
     // O += P(first)·V(first).
-    ss.v_ring.wait(vpos);
+    ss.v_ring.wait(st.v);
     turn_wait();
-    wgmma<false>(mma_pv, tOrP, tOrV(_, _, _, vpos.stage), tOrO);
+    wgmma<false>(mma_pv, tOrP, tOrV(_, _, _, st.v.stage), tOrO);
     turn_pass();
     warpgroup_wait<0>();
-    ss.v_ring.release(vpos, leader);
+    ss.v_ring.release(st.v, leader);
+    st.v.advance();
   }
 
-  // ---- epilogue: normalise, write lse, stage O in Q's buffer, one TMA store
+  // ---- epilogue: normalise, write lse, stage O in shared memory, one TMA store
   float* lse = p.lse != nullptr ? p.lse + b * p.lse_batch_stride + h * p.lse_head_stride : nullptr;
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
@@ -277,53 +292,82 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
   }
   Tensor o_elem = make_tensor<Element>(tOrO.layout());
   convert_into(o_elem, tOrO);
-  Tensor sO = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
-  cutlass::arch::NamedBarrier::sync(T::kMmaThreads, barrier_id(FwdBarrier::kEpilogue));  // every S is done
+  Element* o_buffer = T::kSeparateO ? ss.o.data() : ss.q.data();
+  Tensor sO = make_tensor(make_smem_ptr(o_buffer), typename T::SmemLayoutQ{});
+  // The previous tile's store has read the staging buffer (only its issuing thread can wait for that).
+  if (ctid == 0) tma_store_wait<0>();
+  // Every warpgroup is done with Q (all its S products have completed) and the buffer is free.
+  cutlass::arch::NamedBarrier::sync(T::kMmaThreads, barrier_id(FwdBarrier::kEpilogue));
+  if (T::kSeparateO && any_keys && ctid == 0) cutlass::arch::ClusterBarrier::arrive(&ss.q_empty);
   copy(o_elem, thr_pv.partition_C(sO));
   cutlass::arch::fence_view_async_shared();  // the copy engine reads what these threads wrote
   cutlass::arch::NamedBarrier::sync(T::kMmaThreads, barrier_id(FwdBarrier::kEpilogue));
   if (ctid == 0) {
     Tensor mO = params.tma_o.get_tma_tensor(make_shape(p.seqlen_q, p.headdim_v, p.nheads, p.batch));
-    Tensor gO = local_tile(mO(_, _, h, b), Shape<BlockM, HeadDim>{}, make_coord(m_block, _0{}));
+    Tensor gO = local_tile(mO(_, _, h, b), Shape<BlockM, HeadDim>{}, make_coord(tile.m_block, _0{}));
     auto [tOgO, tOsO] = tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO),
                                       group_modes<0, 2>(gO));
     copy(params.tma_o, tOsO, tOgO);
     tma_store_arrive();
-    tma_store_wait<0>();
+    if (!T::kSeparateO) {
+      // O sits in Q's buffer: the next tile's Q waits until the copy engine has read it.
+      tma_store_wait<0>();
+      if (any_keys) cutlass::arch::ClusterBarrier::arrive(&ss.q_empty);
+    }
   }
+  if (any_keys) st.q_phase ^= 1;
 }
 
+// One CTA per SM: each walks its share of the tiles (FwdTileScheduler), warpgroup 0 loading, the others
+// computing; the rings and barriers carry from one tile to the next, so the next tile's loads overlap this
+// tile's last products and its epilogue.
 template <class T>
 __global__ void __launch_bounds__(T::kThreads, 1) forward_kernel(const __grid_constant__ typename T::Params params) {
   extern __shared__ char smem[];
   auto& ss = *reinterpret_cast<typename T::SharedStorage*>(smem);
   AttnParams const& p = params.attn;
-  // Heavy (late, for causal) query tiles first.
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int h = blockIdx.y;
-  const int b = blockIdx.z;
-  const int hk = h / (p.nheads / p.nheads_k);
-  const int m0 = m_block * T::kBlockM;
+  const FwdTileScheduler scheduler{(p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.nheads, p.batch};
   const policy::WindowMask mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
-  const policy::KeyBlocks blocks = policy::key_blocks_of(mask, m0, min(m0 + T::kBlockM, p.seqlen_q), T::kBlockN);
+  const auto key_blocks = [&](FwdTileCoord tile) {
+    const int m0 = tile.m_block * T::kBlockM;
+    return policy::key_blocks_of(mask, m0, min(m0 + T::kBlockM, p.seqlen_q), T::kBlockN);
+  };
 
   const int warp = cutlass::canonical_warp_idx_sync();
   if (warp == 0 && cute::elect_one_sync()) {
     cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full, 1);
+    cutlass::arch::ClusterBarrier::init(&ss.q_empty, 1);
     ss.k_ring.init(T::kMmaWarpgroups);
     ss.v_ring.init(T::kMmaWarpgroups);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
 
+  CarriedState<T::kStages> st;
   if (warp / 4 == 0) {
     cutlass::arch::warpgroup_reg_dealloc<T::kTile.producer_regs>();
-    if (warp == 0 && cute::elect_one_sync() && blocks.first < blocks.last) {
-      produce<T>(params, ss, m_block, h, hk, b, blocks);
+    if (warp == 0 && cute::elect_one_sync()) {
+      cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+      for (int64_t t = blockIdx.x; t < scheduler.tiles(); t += gridDim.x) {
+        const FwdTileCoord tile = scheduler.at(t);
+        const policy::KeyBlocks blocks = key_blocks(tile);
+        if (blocks.first < blocks.last) produce<T>(params, ss, tile, blocks, st);
+      }
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kTile.consumer_regs>();
-    consume<T>(params, ss, m_block, h, b, blocks);
+    if constexpr (T::kMmaWarpgroups > 1) {  // warpgroup 0 takes the first matmul turn
+      if (threadIdx.x / 128 == T::kMmaWarpgroups) {
+        cutlass::arch::NamedBarrier::arrive(256, barrier_id(FwdBarrier::kWarpgroupTurn, 0));
+      }
+    }
+    for (int64_t t = blockIdx.x; t < scheduler.tiles(); t += gridDim.x) {
+      const FwdTileCoord tile = scheduler.at(t);
+      consume<T>(params, ss, tile, key_blocks(tile), st);
+    }
+    if (threadIdx.x == 128) tma_store_wait<0>();  // the last store has read shared memory before the CTA ends
   }
 }
 
@@ -363,8 +407,15 @@ cudaError_t launch_forward(AttnParams const& p, cudaStream_t stream) {
       e != cudaSuccess) {
     return e;
   }
-  const dim3 grid((p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.nheads, p.batch);
-  kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(params);
+  int device = 0, sm_count = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess) {
+    return e;
+  }
+  const FwdTileScheduler scheduler{(p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.nheads, p.batch};
+  const int64_t grid = FwdTileScheduler::grid_size(scheduler.tiles(), sm_count);
+  if (grid == 0) return cudaSuccess;
+  kernel<<<static_cast<unsigned>(grid), T::kThreads, T::kSmemBytes, stream>>>(params);
   return cudaGetLastError();
 }
 

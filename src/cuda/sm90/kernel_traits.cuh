@@ -79,12 +79,16 @@ struct FwdTraits {
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
 
-  // O is staged in Q's buffer for its TMA store (Q is dead by then).
+  static constexpr bool kSeparateO = forward_separate_o(kHeadDim);
+
+  // O is staged for its TMA store in a buffer of its own where it fits, else in Q's (dead by then).
   struct SharedStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, kSeparateO ? cosize_v<SmemLayoutQ> : 64, 1024> o;
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
-    alignas(8) uint64_t q_full;
+    alignas(8) uint64_t q_full;   // Q of the tile has landed
+    uint64_t q_empty;             // Q's buffer may take the next tile's Q
     TmaRing<kStages> k_ring;
     TmaRing<kStages> v_ring;
   };

@@ -30,11 +30,22 @@ constexpr FwdTile forward_tile(int head_dim) {
   }
 }
 
-// Shared memory of one configuration, in bytes: Q (block_m x d), K and V rings (stages x block_n x d), and the
-// barriers. Element size 2 (fp16 / bf16). The kernel's SharedStorage must agree (static_assert there).
+constexpr int kSm90SmemBytes = 227 * 1024;  // opt-in shared memory per block on sm_90
+
+// Whether O has a staging buffer of its own (else it is staged in Q's, and the next tile's Q waits for the
+// store): where the two fit, the next tile's Q load overlaps this tile's epilogue.
+constexpr bool forward_separate_o(int head_dim) {
+  const FwdTile t = forward_tile(head_dim);
+  return 2 * head_dim * (2 * t.block_m + 2 * t.stages * t.block_n) + 1024 <= kSm90SmemBytes;
+}
+
+// Shared memory of one configuration, in bytes: Q (block_m x d), O where separate, K and V rings
+// (stages x block_n x d), the barriers and alignment. Element size 2 (fp16 / bf16). The kernel's SharedStorage must
+// agree (static_assert there).
 constexpr int forward_smem_estimate(int head_dim) {
   const FwdTile t = forward_tile(head_dim);
-  return 2 * head_dim * (t.block_m + 2 * t.stages * t.block_n) + 1024;
+  const int o_rows = forward_separate_o(head_dim) ? t.block_m : 0;
+  return 2 * head_dim * (t.block_m + o_rows + 2 * t.stages * t.block_n) + 2048;
 }
 
 }  // namespace flare::cuda::sm90

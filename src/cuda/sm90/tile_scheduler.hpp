@@ -1,0 +1,38 @@
+// tile_scheduler.hpp — which (query tile, head, batch) a persistent CTA of the sm90 forward works on next.
+// The grid holds one CTA per SM (or fewer, for small problems); CTA c takes tiles c, c + grid, c + 2·grid, ...
+// in the order below. Plain C++ with FLARE_HD, so tests/cpp check the order on the CPU.
+#pragma once
+
+#include <cstdint>
+
+#include "common/attention_policy.hpp"  // FLARE_HD
+
+namespace flare::cuda::sm90 {
+
+struct FwdTileCoord {
+  int m_block;
+  int head;
+  int batch;
+};
+
+// Tiles of one (batch, head) are consecutive, so CTAs running at once share that head's K and V in L2; within
+// it, the last query tile comes first: under a causal mask it sees the most keys, and the longest tiles
+// starting first leave the short ones to fill the end of the run.
+struct FwdTileScheduler {
+  int m_blocks;  // query tiles per (batch, head)
+  int nheads;
+  int batch;
+
+  FLARE_HD int64_t tiles() const { return int64_t{m_blocks} * nheads * batch; }
+
+  FLARE_HD FwdTileCoord at(int64_t t) const {
+    const int64_t bh = t / m_blocks;
+    const int m = static_cast<int>(t - bh * m_blocks);
+    return {m_blocks - 1 - m, static_cast<int>(bh % nheads), static_cast<int>(bh / nheads)};
+  }
+
+  // CTAs to launch: one per SM, never more than there are tiles.
+  static int64_t grid_size(int64_t tiles, int sm_count) { return tiles < sm_count ? tiles : sm_count; }
+};
+
+}  // namespace flare::cuda::sm90
