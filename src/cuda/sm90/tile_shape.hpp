@@ -21,7 +21,7 @@ struct FwdTile {
 // `stages` V tiles (227 KB per block on sm_90).
 constexpr FwdTile forward_tile(int head_dim) {
   switch (head_dim) {
-    case 64: return {192, 128, 3, 2, 32, 160};
+    case 64: return {128, 128, 2, 2, 24, 240};
     case 96: return {128, 128, 2, 2, 24, 240};
     case 128: return {128, 128, 2, 2, 24, 240};
     case 192: return {128, 96, 2, 2, 24, 240};
