@@ -14,18 +14,6 @@ void reject_unsupported(std::string message) {
   throw InvalidInput{FLARE_UNSUPPORTED, std::move(message)};
 }
 
-std::string dtype_name(int32_t dtype) {
-  switch (dtype) {
-    case FLARE_DTYPE_F32: return "F32";
-    case FLARE_DTYPE_F16: return "F16";
-    case FLARE_DTYPE_BF16: return "BF16";
-    case FLARE_DTYPE_F64: return "F64";
-    case FLARE_DTYPE_I32: return "I32";
-    case FLARE_DTYPE_E4M3: return "E4M3";
-    default: return cat("dtype ", dtype);
-  }
-}
-
 size_t dtype_size(int32_t dtype) {
   switch (dtype) {
     case FLARE_DTYPE_F32: return 4;

@@ -9,12 +9,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
-#include <sstream>
 #include <string>
 #include <utility>
 
-#include "api/error.hpp"
-#include "api/problem.hpp"
+#include "common/error.hpp"
+#include "common/problem.hpp"
 #include "flare/flare.h"
 
 namespace flare::detail {
@@ -25,21 +24,11 @@ struct InvalidInput {
   std::string message;
 };
 
-// Concatenates anything streamable into one message.
-template <class... Args>
-std::string cat(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
-}
-
 [[noreturn]] void reject(std::string message);              // FLARE_INVALID_ARGUMENT
 [[noreturn]] void reject_unsupported(std::string message);  // FLARE_UNSUPPORTED
 
 constexpr int64_t kInt32Max = 2147483647;
 
-// "F32", "BF16", ...; "dtype 17" for a value outside flare_dtype.
-std::string dtype_name(int32_t dtype);
 // Bytes per element; 0 for a value outside flare_dtype.
 size_t dtype_size(int32_t dtype);
 // "cpu", "cuda:1", ...

@@ -5,7 +5,7 @@
 #include <algorithm>
 
 #include "api/checks.hpp"
-#include "api/error.hpp"
+#include "common/error.hpp"
 #include "cpu/cpu_backend.hpp"
 
 namespace flare::detail {
