@@ -1,6 +1,7 @@
 // entry.hpp — the sm80 kernels as the host dispatcher (src/cuda/backend.cu) sees them: one function per
 // (pass, dtype, head-dim tile), each defined in its own generated translation unit under
-// src/cuda/instantiations/. No CuTe here, so the dispatcher compiles quickly.
+// src/cuda/instantiations/ (whose generate.py holds the list of tiles). No CuTe here, so the dispatcher
+// compiles quickly.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,9 +10,6 @@
 #include "flare/flare.h"
 
 namespace flare::cuda::sm80 {
-
-// Head-dim tiles a build may contain (CMake's FLARE_HEADDIMS picks a subset).
-constexpr int kHeadDimTiles[] = {32, 64, 96, 128, 160, 192, 224, 256};
 
 // Each takes the shared-memory class of the configuration to run (SmemClass, params.hpp; backend.cu picks it).
 template <flare_dtype kDtype, int kHeadDim>
