@@ -91,8 +91,12 @@ flare_status run_checks(Fn&& fn) {
 
 // ---- shared by every pass ----------------------------------------------------------------------------
 
-// The params pointer is non-null and its struct_size covers this version's struct (`type` names it).
-void check_struct_size(const void* params, size_t struct_size, size_t expected, const char* type);
+// The params pointer is non-null and its struct_size covers at least `minimum` bytes: the fields of the first
+// version of the struct (`type` names it). Fields appended since are read only where struct_size covers them.
+void check_struct_size(const void* params, size_t struct_size, size_t minimum, const char* type);
+
+// A params struct's arch_path: one of flare_arch_path's values.
+flare_arch_path check_arch_path(int32_t arch_path);
 
 // Head counts: both >= 1 and nheads a multiple of nheads_k (k_name: "k" or "k_cache").
 void check_heads(int64_t nheads, int64_t nheads_k, const char* k_name);

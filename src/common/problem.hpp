@@ -102,6 +102,9 @@ struct Problem {
   size_t workspace_size = 0;
   void* stream = nullptr;
   flare_device device{FLARE_DEVICE_CPU, 0};
+  // The CUDA kernel family the params ask for (forward and backward; the CPU ignores it). AUTO here may still
+  // be replaced by FLARE_CUDA_ARCH_PATH: src/cuda/heuristics.hpp resolves it.
+  flare_arch_path arch_path = FLARE_ARCH_PATH_AUTO;
 };
 
 }  // namespace flare::detail
