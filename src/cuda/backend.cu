@@ -1,35 +1,40 @@
-// backend.cu — the host side of the CUDA backend: CUDA-specific checks, Problem -> kernel params, the choice
-// of head-dim tile, the backward workspace (caller's, or stream-ordered cudaMallocAsync), and dispatch to the
-// generated sm80 units (src/cuda/instantiations/dispatch.hpp). Kernels run on the caller's stream; nothing here
-// synchronises the device.
+// backend.cu — the host side of the CUDA backend: CUDA-specific checks, the device's properties, the plan of a
+// call (arch path, head-dim tile, shared-memory class: the rules are src/cuda/heuristics.hpp's), Problem ->
+// kernel params, the backward workspace (caller's, or stream-ordered cudaMallocAsync), and dispatch to the
+// generated units of each arch path (src/cuda/instantiations/dispatch.hpp). Kernels run on the caller's stream;
+// nothing here synchronises the device.
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
-#include <string_view>
+#include <utility>
 
 #include "common/error.hpp"
 #include "cuda/cuda_backend.hpp"
+#include "cuda/heuristics.hpp"
 #include "cuda/instantiations/dispatch.hpp"  // with CMake's flare_cuda_config.hpp: the units of this build
-#include "cuda/instantiations/head_dims.hpp"
 #include "cuda/sm80/entry.hpp"
+#include "cuda/sm90/entry.hpp"
 
 namespace flare::cuda {
 namespace {
 
 using detail::cat;
 using detail::fail;
+using detail::Pass;
 using detail::Problem;
 
-std::string built_tiles() {
-  std::string s;
-  for (int d : kSm80HeadDims) {
-    if (sm80_unit_built(d)) s += cat(s.empty() ? "" : ", ", d);
-  }
-  return s.empty() ? "none" : s;
-}
+// The kernel units of this build (FLARE_HEADDIMS, FLARE_SM90, FLARE_CUDA_ALL_CONFIGS).
+constexpr HeadDimSubset kSm80Tiles(kSm80HeadDims, sm80_unit_built);
+constexpr HeadDimSubset kSm90Dims(kSm90HeadDims, sm90_unit_built);
+#ifdef FLARE_CUDA_ALL_CONFIGS
+constexpr bool kAllSmemConfigs = true;
+#else
+constexpr bool kAllSmemConfigs = false;
+#endif
+constexpr BuiltKernels kBuilt{kSm80Tiles.span(), kSm90Dims.span(), kAllSmemConfigs};
 
 // Switches to the tensors' device for the duration of a call and back.
 class DeviceGuard {
@@ -48,51 +53,21 @@ class DeviceGuard {
   cudaError_t status_ = cudaSuccess;
 };
 
-flare_status cuda_fail(cudaError_t e, const char* what) {
+flare_status cuda_fail(cudaError_t e, const std::string& what) {
   cudaGetLastError();  // clear a sticky-free error so later calls start clean
   return fail(FLARE_CUDA_ERROR, cat(what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")"));
 }
 
-// The kernels one call runs: its head-dim tile and shared-memory class.
-struct Choice {
-  int tile = 0;
-  SmemClass cls = SmemClass::kLarge;
-};
-
-// The shared memory per block the kernels may use: the device's opt-in limit, or less when the environment
-// sets FLARE_CUDA_SMEM_LIMIT (bytes; tests use it to run the small class on a large GPU).
-int smem_limit(int device_limit) {
-  const char* env = std::getenv("FLARE_CUDA_SMEM_LIMIT");
-  if (env == nullptr || *env == '\0') return device_limit;
-  char* end = nullptr;
-  const long v = std::strtol(env, &end, 10);
-  if (*end != '\0' || v <= 0) return device_limit;  // malformed: ignored, as an unset variable
-  return static_cast<int>(std::min<long>(v, device_limit));
-}
-
-// The forward tile the environment forces with FLARE_CUDA_FWD_ROWS (64 or 128 query rows per CTA; tests run
-// both shapes whatever the lengths would pick), else 0: forward_shape's rule.
-int forced_forward_rows() {
-  const char* env = std::getenv("FLARE_CUDA_FWD_ROWS");
-  if (env == nullptr) return 0;
-  const std::string_view v(env);
-  return v == "64" ? 64 : v == "128" ? 128 : 0;  // anything else: ignored, as an unset variable
-}
-
-// What the GPU path needs beyond the C ABI's rules, for the problem's pass (forward or backward): picks the
-// head-dim tile and the shared-memory class and checks that the kernel fits the GPU's shared memory.
-// The class: small on sm_86 / sm_87 / sm_89 (the cubins those GPUs run hold only the small one, see
-// sm80::body_here) and wherever the large one does not fit; else large.
-flare_status check_problem(const Problem& p, Choice* out) {
-  const bool bwd = p.pass == detail::Pass::kBackward;
-  const char* pass = bwd ? "the backward" : "the forward";
+// What every CUDA kernel needs beyond the C ABI's rules, whichever arch path runs it.
+flare_status check_operands(const Problem& p) {
+  const char* pass = p.pass == Pass::kBackward ? "the backward" : "the forward";
   if (p.dtype != FLARE_DTYPE_F16 && p.dtype != FLARE_DTYPE_BF16) {
     return fail(FLARE_UNSUPPORTED, cat(pass, " on CUDA takes fp16 or bf16 tensors (dtype ", p.dtype,
-                                "): convert fp32 inputs to bf16/fp16, or run on the CPU"));
+                                       "): convert fp32 inputs to bf16/fp16, or run on the CPU"));
   }
   if (p.headdim % 8 != 0 || p.headdim_v % 8 != 0) {
     return fail(FLARE_UNSUPPORTED, cat("headdim ", p.headdim, " / headdim_v ", p.headdim_v, ": on CUDA head dims "
-                                "must be multiples of 8 (pad q, k and v with zeros to the next one)"));
+                                       "must be multiples of 8 (pad q, k and v with zeros to the next one)"));
   }
   // Every row must start on a 16-byte boundary for the 16-byte copies.
   const std::pair<const detail::Operand*, const char*> operands[] = {
@@ -102,67 +77,102 @@ flare_status check_problem(const Problem& p, Choice* out) {
     if (op->data == nullptr) continue;
     if (reinterpret_cast<uintptr_t>(op->data) % 16 != 0) {
       return fail(FLARE_UNSUPPORTED, cat(name, ".data is not 16-byte aligned: the CUDA path reads and writes rows "
-                                  "with 16-byte vectors"));
+                                         "with 16-byte vectors"));
     }
     if (op->batch_stride % 8 != 0 || op->row_stride % 8 != 0 || op->head_stride % 8 != 0) {
       return fail(FLARE_UNSUPPORTED, cat(name, " has strides (batch ", op->batch_stride, ", token ", op->row_stride,
-                                  ", head ", op->head_stride, "): on CUDA they must be multiples of 8 "
-                                  "elements (16 bytes); make the tensor contiguous"));
+                                         ", head ", op->head_stride, "): on CUDA they must be multiples of 8 "
+                                         "elements (16 bytes); make the tensor contiguous"));
     }
-  }
-  const int width = static_cast<int>(std::max(p.headdim, p.headdim_v));
-  int tile = 0;
-  for (int d : kSm80HeadDims) {
-    if (sm80_unit_built(d) && d >= width) {
-      tile = d;
-      break;
-    }
-  }
-  if (tile == 0) {
-    return fail(FLARE_UNSUPPORTED, cat("head dim ", width, " has no kernel in this build (head-dim tiles built: ",
-                                built_tiles(), "; configure with FLARE_HEADDIMS to add tiles)"));
-  }
-  // Attributes, not cudaGetDeviceProperties: that one queries everything and costs far more per call.
-  int major = 0, minor = 0, smem = 0;
-  for (auto [attr, out] : {std::pair{cudaDevAttrComputeCapabilityMajor, &major},
-                           std::pair{cudaDevAttrComputeCapabilityMinor, &minor},
-                           std::pair{cudaDevAttrMaxSharedMemoryPerBlockOptin, &smem}}) {
-    if (cudaError_t e = cudaDeviceGetAttribute(out, attr, p.device.index); e != cudaSuccess) {
-      return cuda_fail(e, "cudaDeviceGetAttribute");
-    }
-  }
-  if (major < 8) {
-    cudaDeviceProp prop{};
-    const bool named = cudaGetDeviceProperties(&prop, p.device.index) == cudaSuccess;
-    return fail(FLARE_UNSUPPORTED, cat("cuda:", p.device.index, " (", named ? prop.name : "?", ") is sm_", major,
-                                       minor, ": flare's CUDA kernels need sm_80 or newer (Ampere, Ada, Hopper)"));
   }
   if (p.batch > 65535) {
     return fail(FLARE_UNSUPPORTED, cat("batch is ", p.batch, ": the CUDA path takes at most 65535 sequences "
                                        "per call; split the batch"));
   }
-  const auto smem_needed = [&](SmemClass c) {
-    return sm80_dispatch(p.dtype, tile, 0, [&]<flare_dtype D, int d>() {
-      return bwd ? sm80::backward_smem_bytes<D, d>(c) : sm80::forward_smem_bytes<D, d>(c);
-    });
-  };
-  const int limit = smem_limit(smem);
-  const bool small_arch = major == 8 && minor != 0;
-  const SmemClass cls = small_arch || smem_needed(SmemClass::kLarge) > limit ? SmemClass::kSmall : SmemClass::kLarge;
-  const int needed = smem_needed(cls);
-  if (needed > limit) {
-    return fail(FLARE_UNSUPPORTED, cat(pass, " kernel for head dim tile ", tile, " needs ", needed,
-                                       " bytes of shared memory per block but this GPU allows ", limit));
+  return FLARE_OK;
+}
+
+// The device's properties, by attribute: cudaGetDeviceProperties queries everything and costs far more per call.
+// The shared memory is cut by FLARE_CUDA_SMEM_LIMIT. Compute capability below 8.0: UNSUPPORTED naming the GPU.
+flare_status query_device(int device, DeviceProps* dev) {
+  int smem = 0;
+  for (auto [attr, out] : {std::pair{cudaDevAttrComputeCapabilityMajor, &dev->cc_major},
+                           std::pair{cudaDevAttrComputeCapabilityMinor, &dev->cc_minor},
+                           std::pair{cudaDevAttrMultiProcessorCount, &dev->sm_count},
+                           std::pair{cudaDevAttrMaxSharedMemoryPerBlockOptin, &smem}}) {
+    if (cudaError_t e = cudaDeviceGetAttribute(out, attr, device); e != cudaSuccess) {
+      return cuda_fail(e, "cudaDeviceGetAttribute");
+    }
   }
-#ifndef FLARE_CUDA_ALL_CONFIGS
-  if (bwd && cls == SmemClass::kSmall && major >= 9) {
-    return fail(FLARE_UNSUPPORTED, cat(pass, " kernel for head dim tile ", tile, " needs ",
-                                       smem_needed(SmemClass::kLarge), " bytes of shared memory per block but this "
-                                       "GPU allows ", limit, "; the kernels that fit (<= ", kSmallSmemBytes,
-                                       " bytes) are compiled for sm_8x only (or with FLARE_CUDA_ALL_CONFIGS=ON)"));
+  dev->sm_count = std::max(dev->sm_count, 1);
+  dev->smem_per_block = smem_limit(smem, std::getenv("FLARE_CUDA_SMEM_LIMIT"));
+  if (dev->cc_major < 8) {
+    cudaDeviceProp prop{};
+    const bool named = cudaGetDeviceProperties(&prop, device) == cudaSuccess;
+    return fail(FLARE_UNSUPPORTED, cat("cuda:", device, " (", named ? prop.name : "?", ") is sm_", dev->cc_major,
+                                       dev->cc_minor, ": flare's CUDA kernels need sm_80 or newer (Ampere, Ada, "
+                                       "Hopper)"));
   }
-#endif
-  *out = Choice{tile, cls};
+  return FLARE_OK;
+}
+
+// The kernels one call runs.
+struct Plan {
+  ArchPath path = ArchPath::kSm80;
+  int headdim = 0;                    // sm80: the head-dim tile; sm90: the call's head dim
+  SmemClass cls = SmemClass::kLarge;  // sm80 only
+  DeviceProps dev;
+};
+
+// Shared memory of the sm90 forward for the call's (dtype, head dim), 0 where this build has no such unit.
+int sm90_smem_bytes(const Problem& p) {
+  if (p.pass != Pass::kForward || !sm90_unit_built(static_cast<int>(p.headdim))) return 0;
+  return sm90_dispatch(p.dtype, static_cast<int>(p.headdim), 0,
+                       [&]<flare_dtype D, int d>() { return sm90::forward_smem_bytes<D, d>(); });
+}
+
+// Checks a validated call against what the GPU path needs and picks its kernels: the arch path (the params'
+// arch_path or FLARE_CUDA_ARCH_PATH; heuristics.hpp's rule), then for the sm80 path the head-dim tile and the
+// shared-memory class, each checked against what this build holds and the device allows.
+flare_status plan_call(const Problem& p, Plan* plan) {
+  if (flare_status s = check_operands(p); s != FLARE_OK) return s;
+  Plan k;
+  if (flare_status s = query_device(p.device.index, &k.dev); s != FLARE_OK) return s;
+
+  const char* env = std::getenv("FLARE_CUDA_ARCH_PATH");
+  flare_arch_path request = FLARE_ARCH_PATH_AUTO;
+  if (!requested_arch_path(p, env, &request)) {
+    return fail(FLARE_INVALID_ARGUMENT, cat("FLARE_CUDA_ARCH_PATH is \"", env, "\": it must be sm80, sm90 or auto "
+                                            "(or unset)"));
+  }
+  const int sm90_smem = request == FLARE_ARCH_PATH_SM80 ? 0 : sm90_smem_bytes(p);
+  const PathChoice path = choose_arch_path(p, request, k.dev, kBuilt, sm90_smem);
+  if (!path.unsupported.empty()) return fail(FLARE_UNSUPPORTED, path.unsupported);
+  k.path = path.path;
+  if (k.path == ArchPath::kSm90) {
+    k.headdim = static_cast<int>(p.headdim);
+    *plan = k;
+    return FLARE_OK;
+  }
+
+  k.headdim = sm80_tile(p, kBuilt.sm80_tiles);
+  if (k.headdim == 0) {
+    return fail(FLARE_UNSUPPORTED, cat("head dim ", std::max(p.headdim, p.headdim_v), " has no kernel in this build "
+                                       "(head-dim tiles built: ", head_dims_string(kBuilt.sm80_tiles),
+                                       "; configure with FLARE_HEADDIMS to add tiles)"));
+  }
+  const bool bwd = p.pass == Pass::kBackward;
+  const Sm80SmemBytes bytes =
+      sm80_dispatch(p.dtype, k.headdim, Sm80SmemBytes{}, [&]<flare_dtype D, int d>() {
+        return bwd ? Sm80SmemBytes{sm80::backward_smem_bytes<D, d>(SmemClass::kLarge),
+                                   sm80::backward_smem_bytes<D, d>(SmemClass::kSmall)}
+                   : Sm80SmemBytes{sm80::forward_smem_bytes<D, d>(SmemClass::kLarge),
+                                   sm80::forward_smem_bytes<D, d>(SmemClass::kSmall)};
+      });
+  const SmemChoice smem = sm80_smem_class(p.pass, k.headdim, bytes, k.dev, kBuilt.all_smem_configs);
+  if (!smem.unsupported.empty()) return fail(FLARE_UNSUPPORTED, smem.unsupported);
+  k.cls = smem.cls;
+  *plan = k;
   return FLARE_OK;
 }
 
@@ -199,83 +209,56 @@ void fill_attn(const Problem& p, AttnParams* a) {
   a->alibi_batch_stride = p.score.alibi_batch_stride;
 }
 
-// ---- the backward workspace ---------------------------------------------------------------------------------
-struct BwdLayout {
-  int64_t q_rows, k_rows;
-  int seqlen_q_rounded, seqlen_k_rounded;
-  int splits;
-  size_t dsum, dq, dkv;  // bytes of each part (dkv: dk_accum + dv_accum)
-  size_t total() const { return dsum + dq + dkv; }
-};
-
-constexpr size_t align256(size_t x) { return (x + 255) / 256 * 256; }
-
-BwdLayout bwd_layout(const Problem& p, Choice k, int num_sms) {
-  const int tile = k.tile;
-  const int block_n =
-      sm80_dispatch(p.dtype, tile, 1, [&]<flare_dtype D, int d>() { return sm80::backward_block_n<D, d>(k.cls); });
-  BwdLayout l{};
-  auto round128 = [](int64_t x) { return (x + kRowPad - 1) / kRowPad * kRowPad; };
-  l.seqlen_q_rounded = static_cast<int>(round128(p.seqlen_q));
-  l.seqlen_k_rounded = static_cast<int>(round128(p.seqlen_k));
-  l.q_rows = p.varlen ? round128(p.total_q + p.batch * kRowPad) : p.batch * l.seqlen_q_rounded;
-  l.k_rows = p.varlen ? round128(p.total_k + p.batch * kRowPad) : p.batch * l.seqlen_k_rounded;
-  l.splits = 1;
-  if (p.deterministic) {
-    // Enough CTAs to fill the GPU twice over, at most 8 dq buffers (memory), at most one per key tile.
-    const int64_t n_blocks = (p.seqlen_k + block_n - 1) / block_n;
-    const int64_t heads = std::max<int64_t>(1, p.batch * p.nheads);
-    const int64_t want = (2 * int64_t{num_sms} + heads - 1) / heads;
-    l.splits = static_cast<int>(std::clamp<int64_t>(std::min(want, n_blocks), 1, 8));
-  }
-  l.dsum = align256(sizeof(float) * p.nheads * l.q_rows);
-  l.dq = align256(sizeof(float) * l.splits * p.nheads * l.q_rows * tile);
-  l.dkv = p.nheads != p.nheads_k ? 2 * align256(sizeof(float) * p.nheads * l.k_rows * tile) : 0;
-  return l;
-}
-
-int sm_count(int device) {
-  int n = 0;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) n = 1;
-  return n;
+// The sm80 backward's workspace for a planned call.
+BwdLayout bwd_layout(const Problem& p, const Plan& k) {
+  const int block_n = sm80_dispatch(p.dtype, k.headdim, 1,
+                                    [&]<flare_dtype D, int d>() { return sm80::backward_block_n<D, d>(k.cls); });
+  return sm80_bwd_layout(p, k.headdim, block_n, k.dev.sm_count);
 }
 
 }  // namespace
 
 flare_status forward(const Problem& p) {
-  Choice k;
-  if (flare_status s = check_problem(p, &k); s != FLARE_OK) return s;
+  Plan k;
+  if (flare_status s = plan_call(p, &k); s != FLARE_OK) return s;
   DeviceGuard guard(p.device.index);
   if (guard.status() != cudaSuccess) return cuda_fail(guard.status(), "cudaSetDevice");
   if (p.batch == 0 || p.seqlen_q == 0 || p.nheads == 0) return FLARE_OK;
   AttnParams a;
   fill_attn(p, &a);
-  a.forward_rows = forced_forward_rows();
   auto stream = static_cast<cudaStream_t>(p.stream);
-  const cudaError_t e = sm80_dispatch(p.dtype, k.tile, cudaErrorInvalidValue, [&]<flare_dtype D, int d>() {
-    return sm80::run_forward<D, d>(a, stream, k.cls);
-  });
-  if (e != cudaSuccess) return cuda_fail(e, "launching the forward kernel");
+  cudaError_t e = cudaErrorInvalidValue;
+  if (k.path == ArchPath::kSm90) {
+    e = sm90_dispatch(p.dtype, k.headdim, e,
+                      [&]<flare_dtype D, int d>() { return sm90::run_forward<D, d>(a, stream); });
+  } else {
+    a.forward_rows = forced_forward_rows(std::getenv("FLARE_CUDA_FWD_ROWS"));
+    e = sm80_dispatch(p.dtype, k.headdim, e,
+                      [&]<flare_dtype D, int d>() { return sm80::run_forward<D, d>(a, stream, k.cls); });
+  }
+  if (e != cudaSuccess) return cuda_fail(e, cat("launching the ", arch_path_name(k.path), " forward kernel"));
   return FLARE_OK;
 }
 
+// Asked of the path that will run the call: the sm80 backward's fp32 buffers; the forward of either path takes
+// none.
 flare_status workspace_size(const Problem& p, size_t* bytes) {
   *bytes = 0;
-  if (p.pass != detail::Pass::kBackward) return FLARE_OK;
-  Choice k;
-  if (flare_status s = check_problem(p, &k); s != FLARE_OK) return s;
-  *bytes = bwd_layout(p, k, sm_count(p.device.index)).total();
+  Plan k;
+  if (flare_status s = plan_call(p, &k); s != FLARE_OK) return s;
+  if (p.pass == Pass::kBackward) *bytes = bwd_layout(p, k).total();
   return FLARE_OK;
 }
 
+// The backward always runs on the sm80 path (plan_call refuses an sm90 request for it).
 flare_status backward(const Problem& p) {
-  Choice k;
-  if (flare_status s = check_problem(p, &k); s != FLARE_OK) return s;
+  Plan k;
+  if (flare_status s = plan_call(p, &k); s != FLARE_OK) return s;
   DeviceGuard guard(p.device.index);
   if (guard.status() != cudaSuccess) return cuda_fail(guard.status(), "cudaSetDevice");
   auto stream = static_cast<cudaStream_t>(p.stream);
 
-  const BwdLayout l = bwd_layout(p, k, sm_count(p.device.index));
+  const BwdLayout l = bwd_layout(p, k);
   if (p.workspace != nullptr && reinterpret_cast<uintptr_t>(p.workspace) % 256 != 0) {
     return fail(FLARE_INVALID_ARGUMENT, "exec.workspace is not 256-byte aligned: the CUDA backward lays its fp32 "
                                         "buffers out from it (cudaMalloc and torch allocations are)");
@@ -313,11 +296,11 @@ flare_status backward(const Problem& p) {
   b.k_rows = l.k_rows;
   b.seqlen_q_rounded = l.seqlen_q_rounded;
   b.seqlen_k_rounded = l.seqlen_k_rounded;
-  b.headdim_rounded = k.tile;
+  b.headdim_rounded = k.headdim;
   b.dq_splits = l.splits;
   b.deterministic = p.deterministic;
 
-  cudaError_t e = sm80_dispatch(p.dtype, k.tile, cudaErrorInvalidValue,
+  cudaError_t e = sm80_dispatch(p.dtype, k.headdim, cudaErrorInvalidValue,
                                 [&]<flare_dtype D, int d>() { return sm80::run_backward<D, d>(b, stream, k.cls); });
   if (owned) {
     const cudaError_t f = cudaFreeAsync(ws, stream);
