@@ -11,7 +11,9 @@
  *  - Nothing crosses this boundary as an exception; the library never prints, exits or synchronises a device
  *    on the success path.
  *  - A params struct is made with its *_params_init() function, which sets struct_size and every default;
- *    then the caller fills in what it needs. struct_size lets later versions append fields safely.
+ *    then the caller fills in what it needs. struct_size lets later versions append fields safely: a struct
+ *    from an older flare.h (a smaller struct_size) is read up to its size, the appended fields at their
+ *    defaults.
  *  - An optional tensor is "absent" when its rank is 0 (a zero-initialised flare_tensor is absent).
  *  - Strides are in elements, not bytes. The last dimension of every tensor must be contiguous (stride 1);
  *    any other strides are allowed.
@@ -133,6 +135,22 @@ typedef struct flare_exec_options {
   size_t workspace_size;  /* bytes available at workspace */
 } flare_exec_options;
 
+/* Which family of CUDA kernels runs a forward or backward call (flare_fwd_params / flare_bwd_params
+ * arch_path; docs/cuda-backend.md). The CPU ignores it.
+ *  AUTO  the sm90 kernels where the GPU and the call allow them (compute capability 9.0, a forward the sm90
+ *        path covers, a build with them), else the sm80 ones. The environment variable
+ *        FLARE_CUDA_ARCH_PATH=sm80|sm90|auto, read per call, replaces AUTO in forward calls (never a value
+ *        set in the params, and never in the backward, which has one path).
+ *  SM80  the sm80 (FlashAttention-2-class) kernels: run on every GPU of compute capability 8.0 or newer.
+ *  SM90  the sm90a (FlashAttention-3-class) forward: FLARE_UNSUPPORTED, naming the reason, where the GPU is
+ *        not compute capability 9.0, the build has no sm90 kernels or the call is not one they cover (the
+ *        backward always runs the sm80 kernels). */
+typedef enum flare_arch_path {
+  FLARE_ARCH_PATH_AUTO = 0,
+  FLARE_ARCH_PATH_SM80 = 80,
+  FLARE_ARCH_PATH_SM90 = 90
+} flare_arch_path;
+
 /* ------------------------------------------------------------------------------------------------ */
 /* Forward                                                                                            */
 /* ------------------------------------------------------------------------------------------------ */
@@ -155,6 +173,8 @@ typedef struct flare_fwd_params {
   int32_t max_seqlen_q, max_seqlen_k; /* upper bounds of the sequence lengths; 0 = derive them */
   flare_attn_options attn;
   flare_exec_options exec;
+  /* Appended after 0.1.0, read only when struct_size covers it (an older caller's struct runs as AUTO). */
+  int32_t arch_path; /* flare_arch_path; FLARE_ARCH_PATH_AUTO by default */
 } flare_fwd_params;
 
 FLARE_API void flare_fwd_params_init(flare_fwd_params* params);
@@ -181,6 +201,8 @@ typedef struct flare_bwd_params {
                             num_threads) */
   flare_attn_options attn;
   flare_exec_options exec;
+  /* Appended after 0.1.0, as in flare_fwd_params. The backward runs the sm80 kernels (SM90: UNSUPPORTED). */
+  int32_t arch_path; /* flare_arch_path; FLARE_ARCH_PATH_AUTO by default */
 } flare_bwd_params;
 
 FLARE_API void flare_bwd_params_init(flare_bwd_params* params);

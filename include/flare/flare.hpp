@@ -319,13 +319,24 @@ struct AttnOptions {
   }
 };
 
-// How the work runs (flare_exec_options).
+// Which family of CUDA kernels runs a forward or backward call (flare_arch_path in flare.h): kAuto takes the
+// sm90 kernels where the GPU (compute capability 9.0) and the call allow them, else the sm80 ones; kSm80 and
+// kSm90 force one, and a forced sm90 call they cannot run throws flare::Error (FLARE_UNSUPPORTED) saying why.
+// The backward always runs the sm80 kernels. The CPU ignores it.
+enum class ArchPath : int32_t {
+  kAuto = FLARE_ARCH_PATH_AUTO,
+  kSm80 = FLARE_ARCH_PATH_SM80,
+  kSm90 = FLARE_ARCH_PATH_SM90,
+};
+
+// How the work runs (flare_exec_options, plus the params' deterministic and arch_path).
 struct ExecOptions {
   void* stream = nullptr;        // CUDA stream (cudaStream_t); ignored on the CPU
   int32_t num_threads = 0;       // CPU worker threads; 0: OpenMP's default
   void* workspace = nullptr;     // optional scratch; nullptr: flare allocates
   size_t workspace_size = 0;     // bytes at workspace
   bool deterministic = false;    // backward only: bitwise-identical results across runs
+  ArchPath arch_path = ArchPath::kAuto;  // CUDA only: the kernel family (FLARE_CUDA_ARCH_PATH may replace kAuto)
 
   flare_exec_options c() const {
     flare_exec_options o{};
@@ -388,6 +399,7 @@ inline flare_fwd_params forward_params(const TensorView& q, const TensorView& k,
   set_varlen(p, varlen);
   p.attn = attn.c();
   p.exec = exec.c();
+  p.arch_path = static_cast<int32_t>(exec.arch_path);
   return p;
 }
 
@@ -411,6 +423,7 @@ inline flare_bwd_params backward_params(const TensorView& q, const TensorView& k
   p.deterministic = exec.deterministic ? 1 : 0;
   p.attn = attn.c();
   p.exec = exec.c();
+  p.arch_path = static_cast<int32_t>(exec.arch_path);
   return p;
 }
 

@@ -41,6 +41,12 @@ FLARE_DTYPE_E4M3 = 5
 FLARE_DEVICE_CPU = 0
 FLARE_DEVICE_CUDA = 1
 
+# flare_arch_path (the CUDA kernel family of a forward or backward call), and its names in the Python API
+FLARE_ARCH_PATH_AUTO = 0
+FLARE_ARCH_PATH_SM80 = 80
+FLARE_ARCH_PATH_SM90 = 90
+ARCH_PATHS = {"auto": FLARE_ARCH_PATH_AUTO, "sm80": FLARE_ARCH_PATH_SM80, "sm90": FLARE_ARCH_PATH_SM90}
+
 # torch dtype name -> flare_dtype (by name, so this module does not need torch to import)
 _DTYPES = {
     "torch.float32": FLARE_DTYPE_F32,
@@ -103,6 +109,7 @@ class flare_fwd_params(ctypes.Structure):
         ("max_seqlen_k", c_int32),
         ("attn", flare_attn_options),
         ("exec", flare_exec_options),
+        ("arch_path", c_int32),
     ]
 
 
@@ -126,6 +133,7 @@ class flare_bwd_params(ctypes.Structure):
         ("deterministic", c_int32),
         ("attn", flare_attn_options),
         ("exec", flare_exec_options),
+        ("arch_path", c_int32),
     ]
 
 
@@ -173,6 +181,14 @@ _EXCEPTIONS = {
 _TENSOR_PACK = struct.Struct(f"=Qiiii{FLARE_MAX_RANK}q{FLARE_MAX_RANK}q")
 assert (_TENSOR_PACK.size == ctypes.sizeof(flare_tensor)
         and flare_tensor.shape.offset == struct.calcsize("=Qiiii")), "flare_tensor's layout changed"
+
+
+def arch_path_value(arch_path):
+    """The flare_arch_path of a Python arch_path ("auto", "sm80" or "sm90")."""
+    value = ARCH_PATHS.get(arch_path)
+    if value is None:
+        raise ValueError(f"arch_path={arch_path!r}: it must be one of {', '.join(map(repr, ARCH_PATHS))}")
+    return value
 
 
 def tensor_view(t):

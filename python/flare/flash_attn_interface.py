@@ -5,6 +5,10 @@ import ...`) instead of `from flash_attn import ...`. What flare does not do rai
 names the argument: dropout_p > 0, and so attention probabilities (flash-attn returns none without dropout
 either: with dropout_p == 0, return_attn_probs=True gives (out, softmax_lse, an empty tensor), and so does
 flare — the way callers get softmax_lse). Extras beyond flash-attn 2.x on flash_attn_varlen_func: seqused_k, out=, return_softmax_lse.
+Extra on every function but flash_attn_with_kvcache, keyword-only: arch_path="auto" | "sm80" | "sm90", the CUDA
+kernels of the forward ("auto": the sm90 ones on an H100/H200 for the calls they cover, else the sm80 ones; a
+forced "sm90" that cannot run raises NotImplementedError saying why; the CPU ignores it; the backward always
+runs the sm80 kernels). The environment variable FLARE_CUDA_ARCH_PATH does the same for calls left at "auto".
 Everything runs through the torch ops in ops.py (autograd, torch.compile).
 """
 
@@ -47,35 +51,40 @@ def _result(out: Tensor, lse: Tensor, return_attn_probs: bool):
     return (out, lse, out.new_empty(0)) if return_attn_probs else out
 
 
-def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic):
+def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+           arch_path):
     _check_unsupported(dropout_p)
     left, right = _window(window_size)
     return ops.fwd(q, k, v, None, None, None, 0, 0, alibi_slopes, _scale(softmax_scale), bool(causal),
-                   left, right, float(softcap), bool(deterministic))
+                   left, right, float(softcap), bool(deterministic), str(arch_path))
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                    arch_path="auto"):
     """q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim) -> out like q
-    (with return_attn_probs: (out, softmax_lse (batch, nheads, seqlen_q), empty S_dmask))."""
+    (with return_attn_probs: (out, softmax_lse (batch, nheads, seqlen_q), empty S_dmask)).
+    arch_path: the CUDA kernels of the forward, "auto", "sm80" or "sm90" (module docstring)."""
     out, lse = _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      deterministic)
+                      deterministic, arch_path)
     return _result(out, lse, return_attn_probs)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                              arch_path="auto"):
     """qkv (batch, seqlen, 3, nheads, headdim) -> out (batch, seqlen, nheads, headdim)."""
     out, lse = _dense(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
-                      softcap, alibi_slopes, deterministic)
+                      softcap, alibi_slopes, deterministic, arch_path)
     return _result(out, lse, return_attn_probs)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                             arch_path="auto"):
     """q (batch, seqlen_q, nheads, headdim), kv (batch, seqlen_k, 2, nheads_k, headdim)."""
     out, lse = _dense(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic)
+                      alibi_slopes, deterministic, arch_path)
     return _result(out, lse, return_attn_probs)
 
 
@@ -95,12 +104,13 @@ def _gather_paged(cache: Tensor, block_table: Tensor, cu_seqlens_k: Tensor) -> T
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None,
-                           *, seqused_k=None, out=None, return_softmax_lse=False):
+                           *, seqused_k=None, out=None, return_softmax_lse=False, arch_path="auto"):
     """q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim), cu_seqlens_q/k int32 (batch + 1).
     With block_table, k/v are a paged cache (num_blocks, block_size, nheads_k, headdim) and cu_seqlens_k
     gives each sequence's length in it. seqused_k int32 (batch): only its first seqused_k[b] keys are used.
     out=: written with the result (and returned). return_softmax_lse: return (out, softmax_lse (nheads,
-    total_q)) instead of out."""
+    total_q)) instead of out. arch_path: as in flash_attn_func (varlen calls run the sm80 kernels today, so
+    "sm90" refuses them)."""
     _check_unsupported(dropout_p)
     if block_table is not None:
         k = _gather_paged(k, block_table, cu_seqlens_k)
@@ -108,7 +118,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     left, right = _window(window_size)
     result, lse = ops.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), int(max_seqlen_k),
                           alibi_slopes, _scale(softmax_scale), bool(causal), left, right, float(softcap),
-                          bool(deterministic))
+                          bool(deterministic), str(arch_path))
     if out is not None:
         out.copy_(result)
         result = out
@@ -119,21 +129,21 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                     deterministic=False, return_attn_probs=False):
+                                     deterministic=False, return_attn_probs=False, *, arch_path="auto"):
     """qkv (total, 3, nheads, headdim), cu_seqlens int32 (batch + 1)."""
     return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
                                   max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
-                                  alibi_slopes, deterministic, return_attn_probs)
+                                  alibi_slopes, deterministic, return_attn_probs, arch_path=arch_path)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                                     softcap=0.0, alibi_slopes=None, deterministic=False,
-                                    return_attn_probs=False):
+                                    return_attn_probs=False, *, arch_path="auto"):
     """q (total_q, nheads, headdim), kv (total_k, 2, nheads_k, headdim)."""
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
-                                  alibi_slopes, deterministic, return_attn_probs)
+                                  alibi_slopes, deterministic, return_attn_probs, arch_path=arch_path)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,

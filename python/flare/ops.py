@@ -12,6 +12,11 @@ Layouts (FlashAttention's):
   varlen  q (total_q, nheads, headdim), k/v (total_k, nheads_k, ...), cu_seqlens_q/k int32 (batch + 1),
           optional seqused_k int32 (batch), softmax_lse fp32 (nheads, total_q)
 softmax_lse is an output for callers that want it; it is not differentiable (its gradient is ignored).
+
+arch_path (the forward ops): which CUDA kernels run the call, "auto" (default: the sm90 kernels on a compute
+capability 9.0 GPU for the calls they cover, else the sm80 ones), "sm80" or "sm90" (NotImplementedError, with
+the reason, for a call the sm90 kernels cannot run). The CPU ignores it; the backward always runs the sm80
+kernels, so autograd does not hand it on. docs/cuda-backend.md has the rule.
 """
 
 from typing import Optional, Tuple
@@ -128,7 +133,7 @@ def fwd_eager(q: Tensor, k: Tensor, v: Tensor,
               cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
               max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor],
               softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-              deterministic: bool) -> Tuple[Tensor, Tensor]:
+              deterministic: bool, arch_path: str = "auto") -> Tuple[Tensor, Tensor]:
     """flare::fwd's computation called directly, without torch's custom-op dispatch (50 us less host time
     per call, 55 for bwd_eager, on a 2-core EPYC: bench/cpu/host_cost.py): no autograd, not traceable by
     torch.compile. For code that holds its own autograd and issues many calls (flare.distributed's ring);
@@ -146,6 +151,7 @@ def fwd_eager(q: Tensor, k: Tensor, v: Tensor,
     _set_views(p, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k)
     p.max_seqlen_q, p.max_seqlen_k = max_seqlen_q, max_seqlen_k
     p.attn, keep = _attn_options(q, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
+    p.arch_path = _capi.arch_path_value(arch_path)
     _run(q, lib.fwd_varlen if varlen else lib.fwd, lambda p: lib.fwd_workspace_size(p, varlen), p)
     del keep
     return out, lse
@@ -156,16 +162,18 @@ def fwd(q: Tensor, k: Tensor, v: Tensor,
         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
         max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor],
         softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-        deterministic: bool) -> tuple[Tensor, Tensor]:
+        deterministic: bool, arch_path: str = "auto") -> tuple[Tensor, Tensor]:
     """Forward attention; dense when cu_seqlens_q is None, else varlen. Returns (out, softmax_lse).
-    deterministic only matters to the backward; it is here so autograd can hand it on."""
+    deterministic only matters to the backward; it is here so autograd can hand it on. arch_path: the CUDA
+    kernels ("auto", "sm80", "sm90"; see the module docstring)."""
     return fwd_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
-                     softmax_scale, causal, window_left, window_right, softcap, deterministic)
+                     softmax_scale, causal, window_left, window_right, softcap, deterministic, arch_path)
 
 
 @fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
-      softmax_scale, causal, window_left, window_right, softcap, deterministic):
+      softmax_scale, causal, window_left, window_right, softcap, deterministic, arch_path="auto"):
+    _capi.arch_path_value(arch_path)  # a bad name fails when traced as it would when run
     varlen = cu_seqlens_q is not None
     out = q.new_empty(_out_shape(q, v))
     lse = q.new_empty(_lse_shape(q, varlen), dtype=torch.float32)
@@ -225,15 +233,16 @@ def _(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_k, ma
 # ---- autograd: flare::fwd's derivative is flare::bwd ----------------------------------------------------
 
 _FWD_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "max_seqlen_q", "max_seqlen_k", "alibi_slopes",
-                "softmax_scale", "causal", "window_left", "window_right", "softcap", "deterministic")
+                "softmax_scale", "causal", "window_left", "window_right", "softcap", "deterministic", "arch_path")
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, *scalars = inputs
-    alibi_slopes = scalars[2]
+    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes, *options = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes)
-    ctx.scalars = (scalars[0], scalars[1]) + tuple(scalars[3:])
+    # softmax_scale, causal, window_left, window_right, softcap, deterministic; arch_path stays with the forward
+    # (the backward has the sm80 kernels alone).
+    ctx.scalars = (max_seqlen_q, max_seqlen_k) + tuple(options[:6])
     ctx.mark_non_differentiable(lse)
 
 

@@ -14,18 +14,6 @@ void reject_unsupported(std::string message) {
   throw InvalidInput{FLARE_UNSUPPORTED, std::move(message)};
 }
 
-std::string dtype_name(int32_t dtype) {
-  switch (dtype) {
-    case FLARE_DTYPE_F32: return "F32";
-    case FLARE_DTYPE_F16: return "F16";
-    case FLARE_DTYPE_BF16: return "BF16";
-    case FLARE_DTYPE_F64: return "F64";
-    case FLARE_DTYPE_I32: return "I32";
-    case FLARE_DTYPE_E4M3: return "E4M3";
-    default: return cat("dtype ", dtype);
-  }
-}
-
 size_t dtype_size(int32_t dtype) {
   switch (dtype) {
     case FLARE_DTYPE_F32: return 4;
@@ -195,14 +183,24 @@ void require_int32(int64_t value, const char* what) {
   }
 }
 
-void check_struct_size(const void* params, size_t struct_size, size_t expected, const char* type) {
+void check_struct_size(const void* params, size_t struct_size, size_t minimum, const char* type) {
   if (params == nullptr) {
     reject(cat("params is null: pass a ", type, " set up by ", type, "_init"));
   }
-  if (struct_size < expected) {
-    reject(cat("params->struct_size is ", struct_size, " but ", type, " has ", expected,
-               " bytes in this version of flare: set it up with ", type, "_init"));
+  if (struct_size < minimum) {
+    reject(cat("params->struct_size is ", struct_size, " but a ", type, " has at least ", minimum,
+               " bytes: set it up with ", type, "_init"));
   }
+}
+
+flare_arch_path check_arch_path(int32_t arch_path) {
+  switch (arch_path) {
+    case FLARE_ARCH_PATH_AUTO:
+    case FLARE_ARCH_PATH_SM80:
+    case FLARE_ARCH_PATH_SM90: return static_cast<flare_arch_path>(arch_path);
+  }
+  reject(cat("arch_path is ", arch_path, ": it must be FLARE_ARCH_PATH_AUTO (0), FLARE_ARCH_PATH_SM80 (80) or "
+             "FLARE_ARCH_PATH_SM90 (90)"));
 }
 
 void check_head_dim(int64_t value, const char* what) {

@@ -9,12 +9,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
-#include <sstream>
 #include <string>
 #include <utility>
 
-#include "api/error.hpp"
-#include "api/problem.hpp"
+#include "common/error.hpp"
+#include "common/problem.hpp"
 #include "flare/flare.h"
 
 namespace flare::detail {
@@ -25,21 +24,11 @@ struct InvalidInput {
   std::string message;
 };
 
-// Concatenates anything streamable into one message.
-template <class... Args>
-std::string cat(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
-}
-
 [[noreturn]] void reject(std::string message);              // FLARE_INVALID_ARGUMENT
 [[noreturn]] void reject_unsupported(std::string message);  // FLARE_UNSUPPORTED
 
 constexpr int64_t kInt32Max = 2147483647;
 
-// "F32", "BF16", ...; "dtype 17" for a value outside flare_dtype.
-std::string dtype_name(int32_t dtype);
 // Bytes per element; 0 for a value outside flare_dtype.
 size_t dtype_size(int32_t dtype);
 // "cpu", "cuda:1", ...
@@ -102,8 +91,12 @@ flare_status run_checks(Fn&& fn) {
 
 // ---- shared by every pass ----------------------------------------------------------------------------
 
-// The params pointer is non-null and its struct_size covers this version's struct (`type` names it).
-void check_struct_size(const void* params, size_t struct_size, size_t expected, const char* type);
+// The params pointer is non-null and its struct_size covers at least `minimum` bytes: the fields of the first
+// version of the struct (`type` names it). Fields appended since are read only where struct_size covers them.
+void check_struct_size(const void* params, size_t struct_size, size_t minimum, const char* type);
+
+// A params struct's arch_path: one of flare_arch_path's values.
+flare_arch_path check_arch_path(int32_t arch_path);
 
 // Head counts: both >= 1 and nheads a multiple of nheads_k (k_name: "k" or "k_cache").
 void check_heads(int64_t nheads, int64_t nheads_k, const char* k_name);

@@ -4,8 +4,8 @@
 #include <new>
 #include <string>
 
-#include "api/error.hpp"
 #include "api/validate.hpp"
+#include "common/error.hpp"
 #include "cpu/cpu_backend.hpp"
 #if FLARE_WITH_CUDA
 #include "cuda/cuda_backend.hpp"

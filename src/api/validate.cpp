@@ -3,9 +3,10 @@
 #include "api/validate.hpp"
 
 #include <algorithm>
+#include <cstddef>
 
 #include "api/checks.hpp"
-#include "api/error.hpp"
+#include "common/error.hpp"
 #include "cpu/cpu_backend.hpp"
 
 namespace flare::detail {
@@ -232,11 +233,19 @@ void check_attention(const AttnArgs& a, Problem* p) {
   check_exec_options(a.exec, a.q.device, p);
 }
 
+// The arch_path of a flare_fwd_params or flare_bwd_params: the field where the caller's struct_size covers
+// it (it was appended after 0.1.0, whose structs end before it), else AUTO.
+template <class Params>
+flare_arch_path read_arch_path(const Params& params) {
+  const bool has_field = params.struct_size >= offsetof(Params, arch_path) + sizeof(params.arch_path);
+  return has_field ? check_arch_path(params.arch_path) : FLARE_ARCH_PATH_AUTO;
+}
+
 }  // namespace
 
 flare_status validate_fwd(const flare_fwd_params* params, bool varlen, Problem* problem) {
   return run_checks([&] {
-    check_struct_size(params, params ? params->struct_size : 0, sizeof(flare_fwd_params),
+    check_struct_size(params, params ? params->struct_size : 0, offsetof(flare_fwd_params, arch_path),
                       "flare_fwd_params");
     const flare_fwd_params& f = *params;
     const AttnArgs args{varlen ? "flare_fwd_varlen" : "flare_fwd", Pass::kForward, varlen, f.q, f.k, f.v,
@@ -244,6 +253,7 @@ flare_status validate_fwd(const flare_fwd_params* params, bool varlen, Problem* 
                         f.max_seqlen_q, f.max_seqlen_k, f.attn, f.exec};
     Problem p;
     check_attention(args, &p);
+    p.arch_path = read_arch_path(f);
     require_no_overlap(f.out, "out");
     if (is_present(f.softmax_lse)) require_no_overlap(f.softmax_lse, "softmax_lse");
     *problem = p;
@@ -252,7 +262,7 @@ flare_status validate_fwd(const flare_fwd_params* params, bool varlen, Problem* 
 
 flare_status validate_bwd(const flare_bwd_params* params, bool varlen, Problem* problem) {
   return run_checks([&] {
-    check_struct_size(params, params ? params->struct_size : 0, sizeof(flare_bwd_params),
+    check_struct_size(params, params ? params->struct_size : 0, offsetof(flare_bwd_params, arch_path),
                       "flare_bwd_params");
     const flare_bwd_params& b = *params;
     const AttnArgs args{varlen ? "flare_bwd_varlen" : "flare_bwd", Pass::kBackward, varlen, b.q, b.k, b.v,
@@ -282,6 +292,7 @@ flare_status validate_bwd(const flare_bwd_params* params, bool varlen, Problem* 
     if (b.deterministic != 0 && b.deterministic != 1) {
       reject(cat("deterministic is ", b.deterministic, ": it must be 0 or 1"));
     }
+    p.arch_path = read_arch_path(b);
     for (int i = 1; i < 4; ++i) require_no_overlap(*grads[i].first, grads[i].second);
     const auto operand = varlen ? varlen_operand : dense_operand;
     p.dout = operand(b.dout);

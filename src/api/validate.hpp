@@ -7,7 +7,7 @@
 // CUDA index tensors are not read here (their contents live on the device).
 #pragma once
 
-#include "api/problem.hpp"
+#include "common/problem.hpp"
 #include "flare/flare.h"
 
 namespace flare::detail {

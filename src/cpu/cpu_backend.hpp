@@ -1,12 +1,12 @@
 // cpu_backend.hpp — the CPU backend's entry points, called by src/api after validation.
 //
-// Each takes a validated Problem (src/api/problem.hpp) and returns FLARE_OK, or FLARE_OUT_OF_MEMORY
+// Each takes a validated Problem (src/common/problem.hpp) and returns FLARE_OK, or FLARE_OUT_OF_MEMORY
 // (with flare_last_error set) when scratch cannot be had. Outputs are written only after scratch is secured.
 #pragma once
 
 #include <cstddef>
 
-#include "api/problem.hpp"
+#include "common/problem.hpp"
 
 namespace flare::cpu {
 

@@ -12,7 +12,7 @@
 #include <new>
 #include <string>
 
-#include "api/error.hpp"
+#include "common/error.hpp"
 #include "cpu/cpu_backend.hpp"
 #include "cpu/isa_kernels.hpp"
 

@@ -3,7 +3,7 @@
 
 #include <cstddef>
 
-#include "api/problem.hpp"
+#include "common/problem.hpp"
 
 #define FLARE_DECLARE_ISA_KERNELS(isa)                                           \
   namespace flare::cpu::isa {                                                    \

@@ -3,8 +3,8 @@
 // Per-ISA like the kernels (see simd.hpp for why).
 #pragma once
 
-#include "api/problem.hpp"
 #include "common/attention_policy.hpp"
+#include "common/problem.hpp"
 #include "cpu/simd.hpp"
 
 namespace flare::cpu::FLARE_ISA {

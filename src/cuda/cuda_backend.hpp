@@ -6,7 +6,7 @@
 
 #include <cstddef>
 
-#include "api/problem.hpp"
+#include "common/problem.hpp"
 
 namespace flare::cuda {
 

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstddef>
 #include <limits>
 #include <string>
 
@@ -64,8 +65,9 @@ TEST(BadInput, NullParams) {
 }
 
 TEST(BadInput, StructSizeTooSmall) {
+  // The smallest struct read is the first version's, which ends before arch_path (appended since).
   for_fwd_entries([](FwdCase& c, auto call) {
-    c.params.struct_size = sizeof(flare_fwd_params) - 8;
+    c.params.struct_size = offsetof(flare_fwd_params, arch_path) - 8;
     expect_rejected(c, call, kInvalid, {"struct_size"});
     c.params.struct_size = 0;
     expect_rejected(c, call, kInvalid, {"struct_size"});
@@ -74,6 +76,47 @@ TEST(BadInput, StructSizeTooSmall) {
     c.params.struct_size = sizeof(flare_bwd_params) / 2;
     expect_rejected(c, call, kInvalid, {"struct_size"});
   });
+}
+
+TEST(BadInput, StructFromBeforeArchPathRunsAsAuto) {
+  // A caller built against 0.1.0's flare.h passes a struct that ends before arch_path: it is read up to its
+  // size, so whatever lies after it (here a bad arch_path value) is not looked at.
+  for (bool varlen : {false, true}) {
+    FwdCase f(varlen);
+    f.params.struct_size = offsetof(flare_fwd_params, arch_path);
+    f.params.arch_path = 12345;
+    EXPECT_EQ(f.run(), FLARE_OK) << flare_last_error();
+    BwdCase b(varlen);
+    ASSERT_EQ(b.run_forward(), FLARE_OK) << flare_last_error();
+    b.params.struct_size = offsetof(flare_bwd_params, arch_path);
+    b.params.arch_path = 12345;
+    EXPECT_EQ(b.run(), FLARE_OK) << flare_last_error();
+  }
+}
+
+TEST(BadInput, ArchPathValue) {
+  for_fwd_entries([](FwdCase& c, auto call) {
+    c.params.arch_path = 86;
+    expect_rejected(c, call, kInvalid, {"arch_path is 86", "FLARE_ARCH_PATH_SM90"});
+    size_t bytes = 7;
+    expect_status(flare_fwd_workspace_size(&c.params, c.varlen, &bytes), kInvalid, "arch_path is 86");
+    EXPECT_EQ(bytes, 7u);
+  });
+  for_bwd_entries([](BwdCase& c, auto call) {
+    c.params.arch_path = -1;
+    expect_rejected(c, call, kInvalid, {"arch_path is -1"});
+  });
+  // Valid values pass validation on every device; the CPU runs the call whatever the path asked for (a CUDA
+  // kernel family), as it ignores exec.stream.
+  for (int32_t path : {FLARE_ARCH_PATH_AUTO, FLARE_ARCH_PATH_SM80, FLARE_ARCH_PATH_SM90}) {
+    FwdCase f;
+    f.params.arch_path = path;
+    EXPECT_EQ(f.run(), FLARE_OK) << flare_last_error();
+    BwdCase b;
+    b.params.arch_path = path;
+    ASSERT_EQ(b.run_forward(), FLARE_OK) << flare_last_error();
+    EXPECT_EQ(b.run(), FLARE_OK) << flare_last_error();
+  }
 }
 
 TEST(BadInput, WorkspaceQueryArguments) {

@@ -159,6 +159,33 @@ TEST(CppApi, ErrorsThrowWithStatusAndMessage) {
   EXPECT_NO_THROW(flare::check(FLARE_OK));
 }
 
+TEST(CppApi, ArchPathReachesTheParams) {
+  FwdCase c;
+  const auto view = [](const Tensor& t) { return TensorView::from_c(t.view); };
+  flare::ExecOptions exec;
+  EXPECT_EQ(flare::forward_params(view(c.q), view(c.k), view(c.v), view(c.out), {}, {}, exec).arch_path,
+            FLARE_ARCH_PATH_AUTO);
+  exec.arch_path = flare::ArchPath::kSm90;
+  EXPECT_EQ(flare::forward_params(view(c.q), view(c.k), view(c.v), view(c.out), {}, {}, exec).arch_path,
+            FLARE_ARCH_PATH_SM90);
+  exec.arch_path = flare::ArchPath::kSm80;
+  EXPECT_EQ(flare::backward_params(view(c.q), view(c.k), view(c.v), view(c.out), view(c.out), view(c.lse),
+                                   view(c.q), view(c.k), view(c.v), {}, exec)
+                .arch_path,
+            FLARE_ARCH_PATH_SM80);
+  // On the CPU a valid path is accepted and ignored; a value outside flare_arch_path is refused.
+  exec.arch_path = flare::ArchPath::kSm90;
+  EXPECT_NO_THROW(flare::forward(view(c.q), view(c.k), view(c.v), view(c.out), view(c.lse), {}, exec));
+  exec.arch_path = static_cast<flare::ArchPath>(7);
+  try {
+    flare::forward(view(c.q), view(c.k), view(c.v), view(c.out), {}, {}, exec);
+    FAIL() << "expected flare::Error";
+  } catch (const flare::Error& e) {
+    EXPECT_EQ(e.status(), FLARE_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(e.what()).find("arch_path is 7"), std::string::npos) << e.what();
+  }
+}
+
 TEST(CppApi, TensorViewRejectsBadRanks) {
   float x = 0.0f;
   try {
@@ -242,12 +269,14 @@ TEST(CppApi, ParamsInitDefaults) {
   EXPECT_EQ(f.softmax_lse.rank, 0);
   EXPECT_EQ(f.max_seqlen_q, 0);
   EXPECT_EQ(f.exec.workspace, nullptr);
+  EXPECT_EQ(f.arch_path, FLARE_ARCH_PATH_AUTO);
   flare_bwd_params b;
   std::memset(&b, 0x5a, sizeof b);
   flare_bwd_params_init(&b);
   EXPECT_EQ(b.struct_size, sizeof(flare_bwd_params));
   EXPECT_EQ(b.deterministic, 0);
   EXPECT_EQ(b.attn.window_right, -1);
+  EXPECT_EQ(b.arch_path, FLARE_ARCH_PATH_AUTO);
   flare_kvcache_params k;
   std::memset(&k, 0x5a, sizeof k);
   flare_kvcache_params_init(&k);

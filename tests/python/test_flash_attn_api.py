@@ -57,6 +57,24 @@ def test_unsupported_arguments_raise():
                                torch.tensor([0, 8], dtype=torch.int32), 8, 8, 0.5)
 
 
+def test_arch_path():
+    # arch_path picks CUDA kernels: the CPU takes any of its names and ignores it, autograd runs through it, and
+    # a name outside them is refused before anything runs.
+    q, k, v = (torch.randn(1, 19, 2, 16, requires_grad=True) for _ in range(3))
+    ref = flash_attn_func(q, k, v, causal=True)
+    for path in ("auto", "sm80", "sm90"):
+        out = flash_attn_func(q, k, v, causal=True, arch_path=path)
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        out.sum().backward()
+    cu = torch.tensor([0, 19], dtype=torch.int32)
+    out = flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 19, 19, causal=True, arch_path="sm90")
+    torch.testing.assert_close(out, ref[0], rtol=0, atol=0)
+    qkv = torch.stack([q, k, v], dim=2).detach()
+    flash_attn_qkvpacked_func(qkv, arch_path="sm80")
+    with pytest.raises(ValueError, match="arch_path='hopper'"):
+        flash_attn_func(q, k, v, arch_path="hopper")
+
+
 def _varlen_case(seqlens_q, seqlens_k, h=4, hk=2, d=32):
     cu_q = torch.tensor([0] + seqlens_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     cu_k = torch.tensor([0] + seqlens_k, dtype=torch.int32).cumsum(0, dtype=torch.int32)

@@ -97,6 +97,7 @@ def test_opcheck():
     cu = torch.tensor([0, 7, 17], dtype=torch.int32)
     qv, kv, vv = rand(17, 4, 16, grad=True), rand(17, 2, 16, grad=True), rand(17, 2, 16, grad=True)
     torch.library.opcheck(ops.fwd, (qv, kv, vv, cu, cu, None, 10, 10, None, 0.0, True, -1, -1, 0.0, False))
+    torch.library.opcheck(ops.fwd, (q, k, v, None, None, None, 0, 0, None, 0.0, False, -1, -1, 0.0, False, "sm80"))
     kc, vc = rand(2, 32, 2, 16), rand(2, 32, 2, 16)
     seqlens = torch.tensor([5, 9], dtype=torch.int32)
     torch.library.opcheck(ops.fwd_kvcache, (rand(2, 1, 4, 16), kc, vc, rand(2, 1, 2, 16), rand(2, 1, 2, 16),

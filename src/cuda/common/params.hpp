@@ -48,6 +48,12 @@ struct AttnParams {
   int forward_rows = 0;
 };
 
+// True when a call has softcap or ALiBi: the score transform, which kernels may compile separately.
+inline bool shaped_scores(AttnParams const& p) { return p.softcap > 0.f || p.alibi_slopes != nullptr; }
+
+// True when a call has a mask: causal (window_right = 0) or a sliding window.
+inline bool windowed(AttnParams const& p) { return p.window_left >= 0 || p.window_right >= 0; }
+
 // Kernel configurations come in two shared-memory classes: kLarge uses up to 208 KB per block (sm_80 allows
 // 163 KB, sm_90 227 KB), kSmall at most kSmallSmemBytes (the 99 KB of sm_86 / sm_89). backend.cu picks the
 // class per call; src/cuda/sm80/configs.cuh holds the shapes of each.

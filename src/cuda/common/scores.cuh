@@ -33,12 +33,6 @@ __device__ __forceinline__ float tanh_fast(float u) {
   return 1.f - 2.f * r;
 }
 
-// True when a call has softcap or ALiBi: the score transform, which kernels may compile separately.
-inline bool shaped_scores(AttnParams const& p) { return p.softcap > 0.f || p.alibi_slopes != nullptr; }
-
-// True when a call has a mask: causal (window_right = 0) or a sliding window.
-inline bool windowed(AttnParams const& p) { return p.window_left >= 0 || p.window_right >= 0; }
-
 __device__ __forceinline__ int clamp_to_int(int64_t x) {
   return static_cast<int>(max<int64_t>(min<int64_t>(x, INT32_MAX), INT32_MIN));
 }

@@ -24,6 +24,7 @@
 #include <type_traits>
 
 #include "cuda/common/scores.cuh"
+#include "cuda/heuristics.hpp"
 #include "cuda/sm80/traits.cuh"
 
 namespace flare::cuda::sm80 {
@@ -75,7 +76,7 @@ struct FwdConfigOf {
 
 // Whether a call's rows see few enough key tiles for FwdConfigOf::PlainFewKeys (seqlen_k: the longest key
 // sequence, varlen an upper bound).
-inline bool forward_few_keys(AttnParams const& p) { return p.seqlen_k <= 1024; }
+inline bool forward_few_keys(AttnParams const& p) { return sm80_forward_few_keys(p); }
 
 template <class Element, int kHeadDim, FwdShape kShape = FwdShape::kLong, SmemClass kClass = SmemClass::kLarge>
 using FwdConfig = typename FwdConfigOf<Element, kHeadDim, kShape, kClass>::type;
@@ -96,14 +97,7 @@ using FwdConfig = typename FwdConfigOf<Element, kHeadDim, kShape, kClass>::type;
 // mask alone, the short shape for masked calls up to 1024 (none timed separately).
 // seqlen_q is the longest sequence (varlen: an upper bound).
 inline FwdShape forward_shape(int head_dim_tile, AttnParams const& p) {
-  const bool masked = windowed(p);
-  if (p.forward_rows == 64) return FwdShape::kShort;
-  const int short_masked_up_to = head_dim_tile <= 64 && !shaped_scores(p) ? 512 : 1024;
-  const int short_up_to = head_dim_tile < 128    ? (masked ? short_masked_up_to : 0)
-                          : head_dim_tile == 128 ? 0
-                          : !shaped_scores(p)    ? INT_MAX
-                                                 : (masked ? 8192 : 1024);
-  return p.forward_rows != 128 && p.seqlen_q <= short_up_to ? FwdShape::kShort : FwdShape::kLong;
+  return sm80_forward_rows(head_dim_tile, p) == 64 ? FwdShape::kShort : FwdShape::kLong;
 }
 
 template <class Element, int kHeadDim, SmemClass kClass>
@@ -177,7 +171,7 @@ struct BwdShortOf<BwdTraits<E, 64, m, n, w, a, b, c, dbl, SmemClass::kLarge, dq,
 
 // Whether a backward call takes BwdShortOf's configuration (where there is one): its longest query sequence
 // (varlen: seqlen_q, an upper bound) is at most 512 rows.
-inline bool backward_short(AttnParams const& p) { return p.seqlen_q <= 512; }
+inline bool backward_short(AttnParams const& p) { return sm80_backward_short(p); }
 
 template <class Element, int kHeadDim, SmemClass kClass>
 constexpr int backward_smem_bytes_as() {

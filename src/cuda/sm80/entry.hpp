@@ -1,6 +1,7 @@
 // entry.hpp — the sm80 kernels as the host dispatcher (src/cuda/backend.cu) sees them: one function per
 // (pass, dtype, head-dim tile), each defined in its own generated translation unit under
-// src/cuda/instantiations/. No CuTe here, so the dispatcher compiles quickly.
+// src/cuda/instantiations/ (whose generate.py holds the list of tiles). No CuTe here, so the dispatcher
+// compiles quickly.
 #pragma once
 
 #include <cuda_runtime.h>

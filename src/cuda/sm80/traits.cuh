@@ -5,7 +5,7 @@
 
 #include <cute/tensor.hpp>
 
-#include "cuda/common/tile_utils.cuh"
+#include "cuda/sm80/tile_ops.cuh"
 
 namespace flare::cuda::sm80 {
 

@@ -1,7 +1,8 @@
 // problem.hpp — the validated, normalised description of one attention call.
 //
 // src/api/validate.cpp turns a params struct from the C ABI into a Problem after checking every rule;
-// backends (src/cpu, later src/cuda) consume only a Problem and never re-validate. Everything here is
+// backends (src/cpu, src/cuda) consume only a Problem and never re-validate. It lives in src/common so that
+// backends include it without including the api layer above them. Everything here is
 // already checked: pointers are non-null where used, shapes agree, index tensors were read and are in range.
 #pragma once
 
@@ -101,6 +102,9 @@ struct Problem {
   size_t workspace_size = 0;
   void* stream = nullptr;
   flare_device device{FLARE_DEVICE_CPU, 0};
+  // The CUDA kernel family the params ask for (forward and backward; the CPU ignores it). AUTO here may still
+  // be replaced by FLARE_CUDA_ARCH_PATH: src/cuda/heuristics.hpp resolves it.
+  flare_arch_path arch_path = FLARE_ARCH_PATH_AUTO;
 };
 
 }  // namespace flare::detail

@@ -1,0 +1,155 @@
+// heuristics.cpp — the host-side choices of the CUDA backend (heuristics.hpp says what each one decides). Pure
+// C++, compiled into every build, so ctest checks it without nvcc.
+#include "cuda/heuristics.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <string_view>
+
+#include "common/error.hpp"
+
+namespace flare::cuda {
+namespace {
+
+using detail::cat;
+using detail::dtype_name;
+using detail::Pass;
+using detail::Problem;
+
+constexpr size_t align256(size_t x) { return (x + 255) / 256 * 256; }
+
+}  // namespace
+
+std::string head_dims_string(std::span<const int> dims) {
+  std::string s;
+  for (int d : dims) s += cat(s.empty() ? "" : ", ", d);
+  return s.empty() ? "none" : s;
+}
+
+int smem_limit(int device_limit, const char* env) {
+  if (env == nullptr || *env == '\0') return device_limit;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  if (*end != '\0' || v <= 0) return device_limit;  // malformed: ignored, as an unset variable
+  return static_cast<int>(std::min<long>(v, device_limit));
+}
+
+int forced_forward_rows(const char* env) {
+  if (env == nullptr) return 0;
+  const std::string_view v(env);
+  return v == "64" ? 64 : v == "128" ? 128 : 0;  // anything else: ignored, as an unset variable
+}
+
+const char* arch_path_name(ArchPath path) { return path == ArchPath::kSm90 ? "sm90" : "sm80"; }
+
+bool requested_arch_path(const Problem& p, const char* env, flare_arch_path* out) {
+  *out = p.arch_path;
+  if (p.arch_path != FLARE_ARCH_PATH_AUTO || p.pass != Pass::kForward) return true;
+  const std::string_view v = env == nullptr ? std::string_view() : std::string_view(env);
+  if (v == "sm80") {
+    *out = FLARE_ARCH_PATH_SM80;
+  } else if (v == "sm90") {
+    *out = FLARE_ARCH_PATH_SM90;
+  } else if (!v.empty() && v != "auto") {
+    return false;
+  }
+  return true;
+}
+
+std::string sm90_rejection(const Problem& p, const DeviceProps& dev, const BuiltKernels& built,
+                           int sm90_smem_bytes) {
+  if (p.pass == Pass::kBackward) return "the backward has no sm90 kernels: it runs on the sm80 path";
+  if (p.pass == Pass::kKvCache) return "the KV-cache pass has no sm90 kernels";
+  if (built.sm90_headdims.empty()) {
+    return "this build has no sm90 kernels (configure with -DFLARE_SM90=ON and 90 in FLARE_ARCHS)";
+  }
+  if (dev.cc_major != 9 || dev.cc_minor != 0) {
+    return cat("cuda:", p.device.index, " is sm_", dev.cc_major, dev.cc_minor,
+               ": the sm90 kernels (sm_90a code) run on compute capability 9.0 only (H100, H200)");
+  }
+  if (p.dtype != FLARE_DTYPE_F16 && p.dtype != FLARE_DTYPE_BF16) {
+    return cat("dtype ", dtype_name(p.dtype), ": the sm90 forward takes fp16 or bf16");
+  }
+  if (p.headdim != p.headdim_v) {
+    return cat("headdim ", p.headdim, " with headdim_v ", p.headdim_v, ": the sm90 forward takes equal head dims");
+  }
+  if (std::find(built.sm90_headdims.begin(), built.sm90_headdims.end(), p.headdim) == built.sm90_headdims.end()) {
+    return cat("head dim ", p.headdim, ": the sm90 forward of this build has head dims ",
+               head_dims_string(built.sm90_headdims), " (exactly)");
+  }
+  if (p.varlen) return "varlen batches (cu_seqlens) take the sm80 path";
+  if (p.seqused_k != nullptr) return "seqused_k takes the sm80 path";
+  if (sm90_smem_bytes > dev.smem_per_block) {
+    return cat("the sm90 forward for head dim ", p.headdim, " needs ", sm90_smem_bytes,
+               " bytes of shared memory per block but this GPU allows ", dev.smem_per_block);
+  }
+  return {};
+}
+
+PathChoice choose_arch_path(const Problem& p, flare_arch_path request, const DeviceProps& dev,
+                            const BuiltKernels& built, int sm90_smem_bytes) {
+  PathChoice c;
+  if (request == FLARE_ARCH_PATH_SM80) return c;
+  std::string why_not = sm90_rejection(p, dev, built, sm90_smem_bytes);
+  if (why_not.empty()) {
+    c.path = ArchPath::kSm90;
+  } else if (request == FLARE_ARCH_PATH_SM90) {
+    c.unsupported = cat("the sm90 path was asked for (arch_path, or FLARE_CUDA_ARCH_PATH=sm90) but ", why_not,
+                        ": ask for auto or sm80 to run this call");
+  } else {
+    c.fallback = std::move(why_not);
+  }
+  return c;
+}
+
+int sm80_tile(const Problem& p, std::span<const int> tiles) {
+  const int64_t width = std::max(p.headdim, p.headdim_v);
+  for (int d : tiles) {
+    if (d >= width) return d;
+  }
+  return 0;
+}
+
+SmemChoice sm80_smem_class(Pass pass, int tile, Sm80SmemBytes bytes, const DeviceProps& dev,
+                           bool all_smem_configs) {
+  const char* pass_name = pass == Pass::kBackward ? "the backward" : "the forward";
+  const int limit = dev.smem_per_block;
+  const bool small_arch = dev.cc_major == 8 && dev.cc_minor != 0;
+  SmemChoice c;
+  c.cls = small_arch || bytes.large > limit ? SmemClass::kSmall : SmemClass::kLarge;
+  const int needed = c.cls == SmemClass::kLarge ? bytes.large : bytes.small;
+  if (needed > limit) {
+    c.unsupported = cat(pass_name, " kernel for head dim tile ", tile, " needs ", needed,
+                        " bytes of shared memory per block but this GPU allows ", limit);
+  } else if (!all_smem_configs && pass == Pass::kBackward && c.cls == SmemClass::kSmall && dev.cc_major >= 9) {
+    c.unsupported = cat(pass_name, " kernel for head dim tile ", tile, " needs ", bytes.large,
+                        " bytes of shared memory per block but this GPU allows ", limit,
+                        "; the kernels that fit (<= ", kSmallSmemBytes,
+                        " bytes) are compiled for sm_8x only (or with FLARE_CUDA_ALL_CONFIGS=ON)");
+  }
+  return c;
+}
+
+int sm80_dq_splits(const Problem& p, int block_n, int sm_count) {
+  if (!p.deterministic) return 1;
+  const int64_t n_blocks = (p.seqlen_k + block_n - 1) / block_n;
+  const int64_t heads = std::max<int64_t>(1, p.batch * p.nheads);
+  const int64_t want = (2 * int64_t{sm_count} + heads - 1) / heads;
+  return static_cast<int>(std::clamp<int64_t>(std::min(want, n_blocks), 1, 8));
+}
+
+BwdLayout sm80_bwd_layout(const Problem& p, int tile, int block_n, int sm_count) {
+  BwdLayout l;
+  auto round128 = [](int64_t x) { return (x + kRowPad - 1) / kRowPad * kRowPad; };
+  l.seqlen_q_rounded = static_cast<int>(round128(p.seqlen_q));
+  l.seqlen_k_rounded = static_cast<int>(round128(p.seqlen_k));
+  l.q_rows = p.varlen ? round128(p.total_q + p.batch * kRowPad) : p.batch * l.seqlen_q_rounded;
+  l.k_rows = p.varlen ? round128(p.total_k + p.batch * kRowPad) : p.batch * l.seqlen_k_rounded;
+  l.splits = sm80_dq_splits(p, block_n, sm_count);
+  l.dsum = align256(sizeof(float) * p.nheads * l.q_rows);
+  l.dq = align256(sizeof(float) * l.splits * p.nheads * l.q_rows * tile);
+  l.dkv = p.nheads != p.nheads_k ? 2 * align256(sizeof(float) * p.nheads * l.k_rows * tile) : 0;
+  return l;
+}
+
+}  // namespace flare::cuda

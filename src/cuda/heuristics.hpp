@@ -1,0 +1,164 @@
+// heuristics.hpp — every host-side choice of the CUDA backend, in one place: which arch path runs a call (sm80
+// or sm90), its head-dim tile, the shared-memory class of the sm80 kernels, the sm80 kernels' sequence-length
+// thresholds, and the backward workspace with its deterministic dq split count.
+//
+// Each is a pure function of a plain problem description (detail::Problem, or the kernel params built from it),
+// the device's properties and the kernels this build holds, returning a plain value or struct. None calls the
+// CUDA runtime or reads the environment: src/cuda/backend.cu queries the device, reads the variables and passes
+// the values in. No CUDA or CuTe header is included, so tests/cpp/test_cuda_heuristics.cpp checks every rule on
+// the CPU; the launch code of the sm80 kernels calls the thresholds (src/cuda/sm80/configs.cuh).
+#pragma once
+
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "common/problem.hpp"
+#include "cuda/common/params.hpp"
+#include "cuda/instantiations/head_dims.hpp"
+#include "flare/flare.h"
+
+namespace flare::cuda {
+
+// ---- inputs ------------------------------------------------------------------------------------------------
+
+// What backend.cu learns of the call's device (cudaDeviceGetAttribute).
+struct DeviceProps {
+  int cc_major = 0;  // compute capability
+  int cc_minor = 0;
+  int sm_count = 1;
+  int smem_per_block = 0;  // opt-in shared memory per block in bytes, cut by FLARE_CUDA_SMEM_LIMIT (smem_limit)
+};
+
+// The kernel units this build holds: the generated head-dim lists (head_dims.hpp) cut to FLARE_HEADDIMS and
+// FLARE_SM90 (src/cuda/instantiations/dispatch.hpp says which).
+struct BuiltKernels {
+  std::span<const int> sm80_tiles;     // ascending
+  std::span<const int> sm90_headdims;  // ascending; empty when the sm90 units are not built
+  bool all_smem_configs = false;       // FLARE_CUDA_ALL_CONFIGS: the sm_90 cubin holds the small sm80 class too
+};
+
+// A generated head-dim list cut to the entries `built` keeps, as a constant for BuiltKernels.
+template <size_t N>
+struct HeadDimSubset {
+  int dims[N] = {};
+  size_t count = 0;
+  constexpr HeadDimSubset(const int (&all)[N], bool (*built)(int)) {
+    for (int d : all) {
+      if (built(d)) dims[count++] = d;
+    }
+  }
+  constexpr std::span<const int> span() const { return {dims, count}; }
+};
+
+// "64, 128" ("none" when empty), for messages.
+std::string head_dims_string(std::span<const int> dims);
+
+// ---- the environment's knobs, parsed (backend.cu passes getenv's value, null when unset) --------------------
+
+// FLARE_CUDA_SMEM_LIMIT: the shared memory per block the kernels may use, the device's opt-in limit or less when
+// the variable sets fewer bytes (tests run the small class on a large GPU with it). Malformed: ignored.
+int smem_limit(int device_limit, const char* env);
+
+// FLARE_CUDA_FWD_ROWS: 64 or 128 forces the sm80 forward's query rows per CTA (tests run both shapes whatever the
+// lengths would pick); anything else is ignored: 0, sm80_forward_rows' rule.
+int forced_forward_rows(const char* env);
+
+// ---- which arch path runs a call -----------------------------------------------------------------------------
+
+enum class ArchPath { kSm80, kSm90 };
+const char* arch_path_name(ArchPath path);  // "sm80", "sm90"
+
+// The path a call asks for: the params' arch_path, or for a forward call whose params say AUTO, what
+// FLARE_CUDA_ARCH_PATH says (`env`: "sm80", "sm90", "auto"; unset or empty is auto). The backward has one path
+// and takes no word from the variable. False when the variable has any other value and the call would read it:
+// backend.cu refuses the call, since a knob that forces a path must not be misread as auto.
+bool requested_arch_path(const detail::Problem& p, const char* env, flare_arch_path* out);
+
+// Why the sm90 forward cannot run a call, or "" when it can. It runs: the forward pass, in a build with the sm90
+// units, on a device of compute capability exactly 9.0 (sm_90a code runs nowhere else); fp16 or bf16;
+// headdim == headdim_v, one of the sm90 head dims this build holds; dense batches (no cu_seqlens, no
+// seqused_k); a kernel that fits the device's shared memory per block (`sm90_smem_bytes`: what the sm90 unit
+// of the call's dtype and head dim takes, 0 where there is none). Causal, sliding windows, softcap, ALiBi,
+// GQA/MQA and the LSE are all covered.
+std::string sm90_rejection(const detail::Problem& p, const DeviceProps& dev, const BuiltKernels& built,
+                           int sm90_smem_bytes);
+
+struct PathChoice {
+  ArchPath path = ArchPath::kSm80;
+  std::string unsupported;  // not empty: the request cannot be met, the call fails with FLARE_UNSUPPORTED and this
+  std::string fallback;     // sm80 under AUTO: why not sm90 (sm90_rejection's text); "" otherwise
+};
+
+// AUTO: the sm90 path where sm90_rejection has nothing against the call, else the sm80 path, which runs every
+// call on compute capability 8.0+ (checked apart: backend.cu names the GPU). SM80: the sm80 path. SM90: the sm90
+// path, or unsupported saying why not.
+PathChoice choose_arch_path(const detail::Problem& p, flare_arch_path request, const DeviceProps& dev,
+                            const BuiltKernels& built, int sm90_smem_bytes);
+
+// ---- the sm80 path -------------------------------------------------------------------------------------------
+
+// The head-dim tile of the sm80 kernels for a call: the smallest built tile >= max(headdim, headdim_v), 0 when
+// there is none.
+int sm80_tile(const detail::Problem& p, std::span<const int> tiles);
+
+// Shared memory per block of the sm80 kernels of one (pass, dtype, tile) in each class (their entry points).
+struct Sm80SmemBytes {
+  int large = 0;
+  int small = 0;
+};
+
+struct SmemChoice {
+  SmemClass cls = SmemClass::kLarge;
+  std::string unsupported;  // not empty: no class fits; the call fails with FLARE_UNSUPPORTED and this
+};
+
+// The shared-memory class of the sm80 kernels: small on sm_86 / sm_87 / sm_89 (the cubins those GPUs run hold
+// only the small one, see sm80::body_here) and wherever the large one does not fit; else large. Unsupported
+// when the class taken does not fit either, and for a backward that needs the small class on sm_90+, whose
+// cubin lacks it unless the build has FLARE_CUDA_ALL_CONFIGS.
+SmemChoice sm80_smem_class(detail::Pass pass, int tile, Sm80SmemBytes bytes, const DeviceProps& dev,
+                           bool all_smem_configs);
+
+// Query rows per CTA of the sm80 forward: 128 (the long shape, FwdShape::kLong) or 64 (kShort). 64-row tiles win
+// where a 128-row CTA's work is short and, under a causal mask, a large part of it sits on the diagonal; the
+// thresholds per head-dim tile and the timings behind them are in src/cuda/sm80/configs.cuh (forward_shape).
+// p.forward_rows (FLARE_CUDA_FWD_ROWS) forces one. seqlen_q is the longest sequence (varlen: an upper bound).
+inline int sm80_forward_rows(int head_dim_tile, AttnParams const& p) {
+  const bool masked = windowed(p);
+  if (p.forward_rows == 64) return 64;
+  const int short_masked_up_to = head_dim_tile <= 64 && !shaped_scores(p) ? 512 : 1024;
+  const int short_up_to = head_dim_tile < 128    ? (masked ? short_masked_up_to : 0)
+                          : head_dim_tile == 128 ? 0
+                          : !shaped_scores(p)    ? INT_MAX
+                                                 : (masked ? 8192 : 1024);
+  return p.forward_rows != 128 && p.seqlen_q <= short_up_to ? 64 : 128;
+}
+
+// Whether a forward call's rows see few enough key tiles for the kernel that never skips the output rescale
+// (sm80 FwdConfigOf::PlainFewKeys). seqlen_k: the longest key sequence (varlen: an upper bound).
+inline bool sm80_forward_few_keys(AttnParams const& p) { return p.seqlen_k <= 1024; }
+
+// Whether a backward call takes the short-sequence configuration (sm80 BwdShortOf) where there is one: its
+// longest query sequence (varlen: seqlen_q, an upper bound) is at most 512 rows.
+inline bool sm80_backward_short(AttnParams const& p) { return p.seqlen_q <= 512; }
+
+// The sm80 backward's fp32 workspace (BwdParams in params.hpp has the layout).
+struct BwdLayout {
+  int64_t q_rows = 0, k_rows = 0;
+  int seqlen_q_rounded = 0, seqlen_k_rounded = 0;
+  int splits = 1;                     // deterministic mode's dq buffers
+  size_t dsum = 0, dq = 0, dkv = 0;   // bytes of each part (dkv: dk_accum + dv_accum)
+  size_t total() const { return dsum + dq + dkv; }
+};
+
+// Deterministic mode's dq buffers: enough CTAs to fill the GPU twice over, at most 8 buffers (memory), at most
+// one per key tile (of block_n keys: the backward kernel's key-tile height). 1 outside deterministic mode.
+int sm80_dq_splits(const detail::Problem& p, int block_n, int sm_count);
+
+// The workspace of an sm80 backward on head-dim tile `tile` (each part 256-byte aligned).
+BwdLayout sm80_bwd_layout(const detail::Problem& p, int tile, int block_n, int sm_count);
+
+}  // namespace flare::cuda

@@ -1,0 +1,423 @@
+// test_cuda_heuristics.cpp — the CUDA backend's host-side choices (src/cuda/heuristics.hpp), on the CPU: no GPU
+// and no nvcc needed. Every combination of device, build, pass and feature maps to a path whose kernels exist,
+// fallbacks to the sm80 path say why, forced paths run or refuse with a reason, and the sm80 kernels' classes,
+// thresholds, split counts and workspace follow their rules.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cuda/heuristics.hpp"
+
+namespace flare::cuda {
+namespace {
+
+using detail::Pass;
+using detail::Problem;
+
+constexpr DeviceProps kA100{8, 0, 108, 163 * 1024};
+constexpr DeviceProps kRtx3090{8, 6, 82, 99 * 1024};
+constexpr DeviceProps kL40{8, 9, 142, 99 * 1024};
+constexpr DeviceProps kH200{9, 0, 132, 227 * 1024};
+constexpr DeviceProps kB200{10, 0, 148, 227 * 1024};
+constexpr DeviceProps kDevices[] = {kA100, kRtx3090, kL40, kH200, kB200};
+
+// The builds a test runs against: everything generated, no sm90 units, and a FLARE_HEADDIMS=128 build.
+const BuiltKernels kFull{kSm80HeadDims, kSm90HeadDims};
+const BuiltKernels kNoSm90{kSm80HeadDims, {}};
+constexpr int kOnly128[] = {128};
+const BuiltKernels kBuilt128{kOnly128, kOnly128};
+
+constexpr int kSm90Smem = 200 * 1024;  // what an sm90 unit might take; fits the H200's 227 KB
+
+bool contains(const std::string& s, const char* part) { return s.find(part) != std::string::npos; }
+bool has(std::span<const int> list, int64_t d) { return std::find(list.begin(), list.end(), d) != list.end(); }
+
+// A dense bf16 forward, (2, 1024, 16 heads, 128), no features.
+Problem forward_call(int64_t headdim = 128) {
+  Problem p;
+  p.pass = Pass::kForward;
+  p.dtype = FLARE_DTYPE_BF16;
+  p.batch = 2;
+  p.nheads = p.nheads_k = 16;
+  p.headdim = p.headdim_v = headdim;
+  p.seqlen_q = p.seqlen_k = 1024;
+  p.total_q = p.total_k = 2048;
+  p.device = {FLARE_DEVICE_CUDA, 0};
+  return p;
+}
+
+// The features a call may carry, each applied to a problem; none of them changes which path runs except where
+// the sm90 rule names it (varlen, seqused_k).
+struct Feature {
+  const char* name;
+  void (*apply)(Problem&);
+};
+const int32_t kUsed[2] = {100, 200};
+const float kSlopes[16] = {};
+float lse_buffer[1];
+const Feature kFeatures[] = {
+    {"plain", [](Problem&) {}},
+    {"causal", [](Problem& p) { p.score.window_right = 0; }},
+    {"window", [](Problem& p) {
+       p.score.window_left = 128;
+       p.score.window_right = 64;
+     }},
+    {"softcap", [](Problem& p) { p.score.softcap = 30.f; }},
+    {"alibi", [](Problem& p) { p.score.alibi_slopes = kSlopes; }},
+    {"gqa", [](Problem& p) { p.nheads_k = 4; }},
+    {"mqa", [](Problem& p) { p.nheads_k = 1; }},
+    {"lse", [](Problem& p) { p.lse = lse_buffer; }},
+    {"varlen", [](Problem& p) {
+       p.varlen = true;
+       p.cu_seqlens_q = p.cu_seqlens_k = kUsed;
+     }},
+    {"seqused_k", [](Problem& p) {  // only varlen calls take it
+       p.varlen = true;
+       p.cu_seqlens_q = p.cu_seqlens_k = p.seqused_k = kUsed;
+     }},
+};
+
+TEST(CudaHeuristics, GeneratedHeadDimLists) {
+  EXPECT_TRUE(std::is_sorted(std::begin(kSm80HeadDims), std::end(kSm80HeadDims)));
+  EXPECT_TRUE(std::is_sorted(std::begin(kSm90HeadDims), std::end(kSm90HeadDims)));
+  EXPECT_EQ(kSm80HeadDims[std::size(kSm80HeadDims) - 1], 256) << "the C ABI takes head dims up to 256";
+  // Every call the sm90 path takes has an sm80 kernel too, so forcing sm80 always works.
+  for (int d : kSm90HeadDims) {
+    EXPECT_TRUE(has(kSm80HeadDims, d)) << d;
+    EXPECT_EQ(d % 8, 0) << d;
+  }
+  constexpr HeadDimSubset odd(kSm80HeadDims, [](int d) { return d % 64 != 0; });
+  EXPECT_EQ(std::vector<int>(odd.span().begin(), odd.span().end()), (std::vector<int>{32, 96, 160, 224}));
+  constexpr HeadDimSubset none(kSm90HeadDims, [](int) { return false; });
+  EXPECT_TRUE(none.span().empty());
+}
+
+// Every (device, build, pass, dtype, head dims, feature, request) gets a path whose kernels exist, or a refusal
+// that says why; AUTO never refuses.
+TEST(CudaHeuristics, EveryCombinationMapsToAPathThatExists) {
+  const BuiltKernels* builds[] = {&kFull, &kNoSm90, &kBuilt128};
+  int sm90_runs = 0;
+  for (const DeviceProps& dev : kDevices) {
+    for (const BuiltKernels* built : builds) {
+      for (Pass pass : {Pass::kForward, Pass::kBackward}) {
+        for (flare_dtype dtype : {FLARE_DTYPE_F16, FLARE_DTYPE_BF16}) {
+          for (int64_t headdim = 8; headdim <= 256; headdim += 8) {
+            std::vector<int64_t> headdims_v = {headdim};
+            if (headdim != 128) headdims_v.push_back(128);
+            for (int64_t headdim_v : headdims_v) {
+              for (const Feature& f : kFeatures) {
+                Problem p = forward_call(headdim);
+                p.pass = pass;
+                p.dtype = dtype;
+                p.headdim_v = headdim_v;
+                f.apply(p);
+                SCOPED_TRACE(testing::Message() << "sm_" << dev.cc_major << dev.cc_minor << " build of "
+                                                << built->sm80_tiles.size() << "+" << built->sm90_headdims.size()
+                                                << " head dims, " << (pass == Pass::kForward ? "fwd" : "bwd")
+                                                << " hdim " << headdim << "/" << headdim_v << " " << f.name);
+                const bool sm80_exists = sm80_tile(p, built->sm80_tiles) != 0;
+                const PathChoice autod = choose_arch_path(p, FLARE_ARCH_PATH_AUTO, dev, *built, kSm90Smem);
+                EXPECT_TRUE(autod.unsupported.empty()) << autod.unsupported;
+                if (autod.path == ArchPath::kSm90) {
+                  ++sm90_runs;
+                  EXPECT_EQ(pass, Pass::kForward);
+                  EXPECT_TRUE(dev.cc_major == 9 && dev.cc_minor == 0);
+                  EXPECT_EQ(headdim, headdim_v);
+                  EXPECT_TRUE(has(built->sm90_headdims, headdim));
+                  EXPECT_FALSE(p.varlen || p.seqused_k != nullptr);
+                  EXPECT_TRUE(autod.fallback.empty());
+                  EXPECT_TRUE(sm80_exists) << "forced sm80 must be able to run what sm90 runs";
+                } else {
+                  EXPECT_FALSE(autod.fallback.empty()) << "a fallback to sm80 says why";
+                }
+                // Forced sm80: always the sm80 path (whose tile check is apart).
+                const PathChoice sm80 = choose_arch_path(p, FLARE_ARCH_PATH_SM80, dev, *built, kSm90Smem);
+                EXPECT_EQ(sm80.path, ArchPath::kSm80);
+                EXPECT_TRUE(sm80.unsupported.empty());
+                // Forced sm90: exactly where AUTO takes sm90; elsewhere refused with AUTO's reason.
+                const PathChoice sm90 = choose_arch_path(p, FLARE_ARCH_PATH_SM90, dev, *built, kSm90Smem);
+                if (autod.path == ArchPath::kSm90) {
+                  EXPECT_EQ(sm90.path, ArchPath::kSm90);
+                  EXPECT_TRUE(sm90.unsupported.empty());
+                } else {
+                  EXPECT_TRUE(contains(sm90.unsupported, autod.fallback.c_str())) << sm90.unsupported;
+                  EXPECT_TRUE(contains(sm90.unsupported, "sm90")) << sm90.unsupported;
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  // 5 head dims x 2 dtypes x 8 features (all but varlen and seqused_k) in the full build, 1 x 2 x 8 in the
+  // 128-only one, on the one sm_90 device.
+  EXPECT_EQ(sm90_runs, 5 * 2 * 8 + 1 * 2 * 8);
+}
+
+TEST(CudaHeuristics, Sm90TakesWhatItCovers) {
+  for (int d : kSm90HeadDims) {
+    for (const Feature& f : kFeatures) {
+      Problem p = forward_call(d);
+      f.apply(p);
+      const bool dense = !p.varlen;
+      EXPECT_EQ(sm90_rejection(p, kH200, kFull, kSm90Smem).empty(), dense) << d << " " << f.name;
+    }
+  }
+}
+
+TEST(CudaHeuristics, FallbacksSayWhy) {
+  const auto why = [](Problem p, const DeviceProps& dev = kH200, const BuiltKernels& built = kFull,
+                      int smem = kSm90Smem) {
+    const PathChoice c = choose_arch_path(p, FLARE_ARCH_PATH_AUTO, dev, built, smem);
+    EXPECT_EQ(c.path, ArchPath::kSm80);
+    EXPECT_EQ(c.fallback, sm90_rejection(p, dev, built, smem));
+    return c.fallback;
+  };
+  Problem p = forward_call();
+  p.varlen = true;
+  EXPECT_EQ(why(p), "varlen batches (cu_seqlens) take the sm80 path");
+  p = forward_call();
+  p.seqused_k = kUsed;
+  EXPECT_EQ(why(p), "seqused_k takes the sm80 path");
+  p = forward_call(192);
+  p.headdim_v = 128;
+  EXPECT_EQ(why(p), "headdim 192 with headdim_v 128: the sm90 forward takes equal head dims");
+  EXPECT_EQ(why(forward_call(80)), "head dim 80: the sm90 forward of this build has head dims 64, 96, 128, 192, 256 "
+                                   "(exactly)");
+  EXPECT_EQ(why(forward_call(64), kH200, kBuilt128), "head dim 64: the sm90 forward of this build has head dims 128 "
+                                                     "(exactly)");
+  p = forward_call();
+  p.pass = Pass::kBackward;
+  EXPECT_EQ(why(p), "the backward has no sm90 kernels: it runs on the sm80 path");
+  p.pass = Pass::kKvCache;
+  EXPECT_EQ(why(p), "the KV-cache pass has no sm90 kernels");
+  p = forward_call();
+  p.dtype = FLARE_DTYPE_F32;
+  EXPECT_EQ(why(p), "dtype F32: the sm90 forward takes fp16 or bf16");
+  p = forward_call();
+  p.device.index = 3;
+  EXPECT_TRUE(contains(why(p, kL40), "cuda:3 is sm_89")) << why(p, kL40);
+  EXPECT_TRUE(contains(why(p, kB200), "compute capability 9.0 only")) << why(p, kB200);
+  EXPECT_TRUE(contains(why(p, kH200, kNoSm90), "FLARE_SM90=ON")) << why(p, kH200, kNoSm90);
+  // FLARE_CUDA_SMEM_LIMIT below the sm90 kernel's need: the sm80 path runs (the small-class tests rely on it).
+  DeviceProps capped = kH200;
+  capped.smem_per_block = 99 * 1024;
+  EXPECT_EQ(why(p, capped), "the sm90 forward for head dim 128 needs 204800 bytes of shared memory per block but "
+                            "this GPU allows 101376");
+}
+
+TEST(CudaHeuristics, ForcedPaths) {
+  Problem p = forward_call();
+  EXPECT_EQ(choose_arch_path(p, FLARE_ARCH_PATH_SM90, kH200, kFull, kSm90Smem).path, ArchPath::kSm90);
+  EXPECT_EQ(choose_arch_path(p, FLARE_ARCH_PATH_AUTO, kH200, kFull, kSm90Smem).path, ArchPath::kSm90);
+  EXPECT_EQ(choose_arch_path(p, FLARE_ARCH_PATH_SM80, kH200, kFull, kSm90Smem).path, ArchPath::kSm80);
+  const PathChoice on_a100 = choose_arch_path(p, FLARE_ARCH_PATH_SM90, kA100, kFull, kSm90Smem);
+  EXPECT_EQ(on_a100.unsupported,
+            "the sm90 path was asked for (arch_path, or FLARE_CUDA_ARCH_PATH=sm90) but cuda:0 is sm_80: the sm90 "
+            "kernels (sm_90a code) run on compute capability 9.0 only (H100, H200): ask for auto or sm80 to run "
+            "this call");
+  p.varlen = true;
+  EXPECT_TRUE(contains(choose_arch_path(p, FLARE_ARCH_PATH_SM90, kH200, kFull, kSm90Smem).unsupported,
+                       "but varlen batches (cu_seqlens) take the sm80 path"));
+  p = forward_call();
+  p.pass = Pass::kBackward;
+  EXPECT_TRUE(contains(choose_arch_path(p, FLARE_ARCH_PATH_SM90, kH200, kFull, kSm90Smem).unsupported,
+                       "the backward has no sm90 kernels"));
+  EXPECT_EQ(arch_path_name(ArchPath::kSm80), std::string("sm80"));
+  EXPECT_EQ(arch_path_name(ArchPath::kSm90), std::string("sm90"));
+}
+
+TEST(CudaHeuristics, RequestedPathFromParamsAndEnvironment) {
+  const auto request = [](Pass pass, flare_arch_path field, const char* env, bool ok = true) {
+    Problem p = forward_call();
+    p.pass = pass;
+    p.arch_path = field;
+    flare_arch_path out = FLARE_ARCH_PATH_SM80;
+    EXPECT_EQ(requested_arch_path(p, env, &out), ok) << (env ? env : "(unset)");
+    return out;
+  };
+  // The variable replaces AUTO in the forward...
+  EXPECT_EQ(request(Pass::kForward, FLARE_ARCH_PATH_AUTO, nullptr), FLARE_ARCH_PATH_AUTO);
+  EXPECT_EQ(request(Pass::kForward, FLARE_ARCH_PATH_AUTO, ""), FLARE_ARCH_PATH_AUTO);
+  EXPECT_EQ(request(Pass::kForward, FLARE_ARCH_PATH_AUTO, "auto"), FLARE_ARCH_PATH_AUTO);
+  EXPECT_EQ(request(Pass::kForward, FLARE_ARCH_PATH_AUTO, "sm80"), FLARE_ARCH_PATH_SM80);
+  EXPECT_EQ(request(Pass::kForward, FLARE_ARCH_PATH_AUTO, "sm90"), FLARE_ARCH_PATH_SM90);
+  request(Pass::kForward, FLARE_ARCH_PATH_AUTO, "SM90", false);
+  request(Pass::kForward, FLARE_ARCH_PATH_AUTO, "hopper", false);
+  // ...never a path the params set...
+  EXPECT_EQ(request(Pass::kForward, FLARE_ARCH_PATH_SM80, "sm90"), FLARE_ARCH_PATH_SM80);
+  EXPECT_EQ(request(Pass::kForward, FLARE_ARCH_PATH_SM90, "sm80"), FLARE_ARCH_PATH_SM90);
+  EXPECT_EQ(request(Pass::kForward, FLARE_ARCH_PATH_SM90, "bogus"), FLARE_ARCH_PATH_SM90);
+  // ...and not in the backward, which has one path.
+  EXPECT_EQ(request(Pass::kBackward, FLARE_ARCH_PATH_AUTO, "sm90"), FLARE_ARCH_PATH_AUTO);
+  EXPECT_EQ(request(Pass::kBackward, FLARE_ARCH_PATH_AUTO, "bogus"), FLARE_ARCH_PATH_AUTO);
+  EXPECT_EQ(request(Pass::kBackward, FLARE_ARCH_PATH_SM90, nullptr), FLARE_ARCH_PATH_SM90);
+}
+
+TEST(CudaHeuristics, Sm80Tile) {
+  Problem p = forward_call(40);
+  EXPECT_EQ(sm80_tile(p, kSm80HeadDims), 64);
+  p.headdim_v = 136;
+  EXPECT_EQ(sm80_tile(p, kSm80HeadDims), 160) << "the wider of headdim and headdim_v";
+  EXPECT_EQ(sm80_tile(p, kOnly128), 0) << "no tile >= 136 in a 128-only build";
+  p.headdim = p.headdim_v = 32;
+  EXPECT_EQ(sm80_tile(p, kOnly128), 128);
+  for (int d : kSm80HeadDims) {
+    p.headdim = p.headdim_v = d;
+    EXPECT_EQ(sm80_tile(p, kSm80HeadDims), d);
+  }
+}
+
+TEST(CudaHeuristics, Sm80SharedMemoryClass) {
+  const Sm80SmemBytes fits{90 * 1024, 60 * 1024};
+  const Sm80SmemBytes large_only_on_h200{200 * 1024, 90 * 1024};
+  const auto cls = [](Pass pass, Sm80SmemBytes b, const DeviceProps& dev, bool all = false) {
+    return sm80_smem_class(pass, 128, b, dev, all);
+  };
+  // sm_86 / sm_89 take the small class even where the large one would fit: their cubins hold only it.
+  EXPECT_EQ(cls(Pass::kForward, fits, kRtx3090).cls, SmemClass::kSmall);
+  EXPECT_EQ(cls(Pass::kBackward, fits, kL40).cls, SmemClass::kSmall);
+  // sm_80 and sm_90 take the large class where it fits, else the small one.
+  EXPECT_EQ(cls(Pass::kForward, fits, kA100).cls, SmemClass::kLarge);
+  EXPECT_EQ(cls(Pass::kBackward, large_only_on_h200, kA100).cls, SmemClass::kSmall);
+  EXPECT_TRUE(cls(Pass::kBackward, large_only_on_h200, kA100).unsupported.empty());
+  EXPECT_EQ(cls(Pass::kBackward, large_only_on_h200, kH200).cls, SmemClass::kLarge);
+  // Neither fits.
+  const SmemChoice too_big = cls(Pass::kForward, Sm80SmemBytes{300 * 1024, 120 * 1024}, kRtx3090);
+  EXPECT_EQ(too_big.unsupported, "the forward kernel for head dim tile 128 needs 122880 bytes of shared memory "
+                                 "per block but this GPU allows 101376");
+  // The small backward on sm_90+ exists only with FLARE_CUDA_ALL_CONFIGS; the forward's small class always.
+  DeviceProps capped = kH200;
+  capped.smem_per_block = 99 * 1024;
+  const SmemChoice bwd = cls(Pass::kBackward, large_only_on_h200, capped);
+  EXPECT_EQ(bwd.cls, SmemClass::kSmall);
+  EXPECT_TRUE(contains(bwd.unsupported, "the backward kernel for head dim tile 128 needs 204800 bytes of shared "
+                                        "memory per block but this GPU allows 101376"))
+      << bwd.unsupported;
+  EXPECT_TRUE(contains(bwd.unsupported, "FLARE_CUDA_ALL_CONFIGS=ON")) << bwd.unsupported;
+  EXPECT_TRUE(cls(Pass::kBackward, large_only_on_h200, capped, true).unsupported.empty());
+  EXPECT_TRUE(cls(Pass::kForward, large_only_on_h200, capped).unsupported.empty());
+}
+
+TEST(CudaHeuristics, EnvironmentKnobs) {
+  EXPECT_EQ(smem_limit(1000, nullptr), 1000);
+  EXPECT_EQ(smem_limit(1000, ""), 1000);
+  EXPECT_EQ(smem_limit(1000, "600"), 600);
+  EXPECT_EQ(smem_limit(1000, "6000"), 1000) << "never above the device's limit";
+  EXPECT_EQ(smem_limit(1000, "12k"), 1000) << "malformed: ignored";
+  EXPECT_EQ(smem_limit(1000, "-5"), 1000);
+  EXPECT_EQ(forced_forward_rows(nullptr), 0);
+  EXPECT_EQ(forced_forward_rows("64"), 64);
+  EXPECT_EQ(forced_forward_rows("128"), 128);
+  EXPECT_EQ(forced_forward_rows("96"), 0);
+}
+
+// AttnParams with a mask, softcap or ALiBi as asked, for the sm80 thresholds.
+AttnParams attn(int seqlen_q, bool masked, bool shaped, int forward_rows = 0) {
+  static const float slope = 0.5f;
+  AttnParams a;
+  a.seqlen_q = a.seqlen_k = seqlen_q;
+  if (masked) a.window_right = 0;
+  if (shaped) a.alibi_slopes = &slope;
+  a.forward_rows = forward_rows;
+  return a;
+}
+
+TEST(CudaHeuristics, Sm80ForwardRows) {
+  // Head dims <= 64: masked calls up to 512 (1024 with softcap or ALiBi) take 64 rows; unmasked ones never.
+  for (int tile : {32, 64}) {
+    EXPECT_EQ(sm80_forward_rows(tile, attn(512, true, false)), 64);
+    EXPECT_EQ(sm80_forward_rows(tile, attn(513, true, false)), 128);
+    EXPECT_EQ(sm80_forward_rows(tile, attn(1024, true, true)), 64);
+    EXPECT_EQ(sm80_forward_rows(tile, attn(1025, true, true)), 128);
+    EXPECT_EQ(sm80_forward_rows(tile, attn(128, false, false)), 128);
+  }
+  // 96: masked calls up to 1024.
+  EXPECT_EQ(sm80_forward_rows(96, attn(1024, true, false)), 64);
+  EXPECT_EQ(sm80_forward_rows(96, attn(1025, true, false)), 128);
+  EXPECT_EQ(sm80_forward_rows(96, attn(64, false, true)), 128);
+  // 128: always the long shape.
+  EXPECT_EQ(sm80_forward_rows(128, attn(64, true, true)), 128);
+  // Above 128: without softcap and ALiBi always 64 rows; with them masked up to 8192, unmasked up to 1024.
+  for (int tile : {160, 192, 224, 256}) {
+    EXPECT_EQ(sm80_forward_rows(tile, attn(1 << 20, false, false)), 64);
+    EXPECT_EQ(sm80_forward_rows(tile, attn(8192, true, true)), 64);
+    EXPECT_EQ(sm80_forward_rows(tile, attn(8193, true, true)), 128);
+    EXPECT_EQ(sm80_forward_rows(tile, attn(1024, false, true)), 64);
+    EXPECT_EQ(sm80_forward_rows(tile, attn(1025, false, true)), 128);
+  }
+  // FLARE_CUDA_FWD_ROWS forces either.
+  EXPECT_EQ(sm80_forward_rows(128, attn(64, true, false, 64)), 64);
+  EXPECT_EQ(sm80_forward_rows(256, attn(64, false, false, 128)), 128);
+  // The other thresholds.
+  EXPECT_TRUE(sm80_forward_few_keys(attn(1024, false, false)));
+  EXPECT_FALSE(sm80_forward_few_keys(attn(1025, false, false)));
+  EXPECT_TRUE(sm80_backward_short(attn(512, false, false)));
+  EXPECT_FALSE(sm80_backward_short(attn(513, false, false)));
+}
+
+TEST(CudaHeuristics, DeterministicDqSplits) {
+  Problem p = forward_call();
+  p.pass = Pass::kBackward;
+  p.batch = 1;
+  p.nheads = 1;
+  p.seqlen_k = 8192;
+  EXPECT_EQ(sm80_dq_splits(p, 128, 132), 1) << "only deterministic mode splits";
+  p.deterministic = true;
+  EXPECT_EQ(sm80_dq_splits(p, 128, 132), 8) << "at most 8 buffers";
+  p.seqlen_k = 200;
+  EXPECT_EQ(sm80_dq_splits(p, 128, 132), 2) << "at most one per key tile";
+  p.seqlen_k = 0;
+  EXPECT_EQ(sm80_dq_splits(p, 128, 132), 1);
+  p.seqlen_k = 8192;
+  p.nheads = 64;
+  EXPECT_EQ(sm80_dq_splits(p, 128, 132), 5) << "ceil(2 * 132 / 64) CTAs per (batch, head)";
+  p.batch = 8;
+  EXPECT_EQ(sm80_dq_splits(p, 128, 132), 1) << "the grid fills the GPU twice over without splits";
+}
+
+TEST(CudaHeuristics, Sm80BackwardWorkspace) {
+  Problem p = forward_call(64);
+  p.pass = Pass::kBackward;
+  p.batch = 3;
+  p.nheads = 4;
+  p.nheads_k = 4;
+  p.seqlen_q = 100;
+  p.seqlen_k = 300;
+  const BwdLayout mha = sm80_bwd_layout(p, 64, 128, 132);
+  EXPECT_EQ(mha.seqlen_q_rounded, 128);
+  EXPECT_EQ(mha.seqlen_k_rounded, 384);
+  EXPECT_EQ(mha.q_rows, 3 * 128);
+  EXPECT_EQ(mha.k_rows, 3 * 384);
+  EXPECT_EQ(mha.splits, 1);
+  EXPECT_EQ(mha.dsum, 4u * 4 * 384);
+  EXPECT_EQ(mha.dq, 4u * 4 * 384 * 64);
+  EXPECT_EQ(mha.dkv, 0u) << "MHA writes dk/dv directly";
+  EXPECT_EQ(mha.total(), mha.dsum + mha.dq);
+  p.nheads_k = 2;
+  p.deterministic = true;
+  const BwdLayout gqa = sm80_bwd_layout(p, 64, 128, 132);
+  EXPECT_EQ(gqa.splits, 3) << "min(ceil(264 / 12) CTAs, 3 key tiles)";
+  EXPECT_EQ(gqa.dq, 3u * 4 * 4 * 384 * 64);
+  EXPECT_EQ(gqa.dkv, 2u * 4 * 4 * 1152 * 64) << "per-query-head dk and dv for GQA";
+  // Varlen: each sequence padded by a tile, the total rounded to 128; parts 256-byte aligned.
+  p.varlen = true;
+  p.total_q = 250;
+  p.total_k = 77;
+  p.nheads = 1;
+  p.nheads_k = 1;
+  p.deterministic = false;
+  const BwdLayout var = sm80_bwd_layout(p, 64, 128, 132);
+  EXPECT_EQ(var.q_rows, 640);  // round128(250 + 3 * 128)
+  EXPECT_EQ(var.k_rows, 512);  // round128(77 + 3 * 128)
+  EXPECT_EQ(var.dsum % 256, 0u);
+  EXPECT_EQ(var.dsum, 2560u);
+}
+
+}  // namespace
+}  // namespace flare::cuda
