@@ -8,7 +8,9 @@
 #   3. the Python tests (pytest over tests/python: torch ops, flash_attn API, transformers, ring attention over
 #      gloo), with the pinned tests/python/requirements.txt installed by scripts/python-env.sh where missing
 #   4. where nvcc is installed: the CUDA sources compiled (one head-dim tile of each pass, sm_80), so a
-#      compile error cannot land; where a GPU is present too, a CUDA build and the GPU suite (tests/gpu)
+#      compile error cannot land; one sm90 forward unit compiled for sm_90a and its machine code checked, the
+#      sm90 layouts checked on the CPU (scripts/check-sm90.sh); where a GPU is present too, a CUDA build and
+#      the GPU suite (tests/gpu)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -66,6 +68,9 @@ if command -v nvcc >/dev/null 2>&1; then
   cmake -S . -B build/cuda-check -DCMAKE_BUILD_TYPE=Release -DFLARE_ENABLE_CUDA=ON -DFLARE_HEADDIMS=64 \
         -DFLARE_ARCHS=80 -DFLARE_BUILD_TESTS=OFF -DFLARE_BUILD_TOOLS=OFF
   cmake --build build/cuda-check -j"$jobs"
+
+  stage "sm90 forward without a GPU: one unit for sm_90a and its SASS; layouts and partitions on the CPU"
+  scripts/check-sm90.sh build/sm90-check
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     stage "GPU tests (tests/gpu: pytest suite and compute-sanitizer), CUDA build for this GPU"
     cmake --preset cuda -DFLARE_ARCHS=native -DFLARE_BUILD_TESTS=OFF

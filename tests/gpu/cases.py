@@ -17,6 +17,12 @@ from attention_reference import AttnOptions, check_close, check_lse, dense_atten
 DEVICE = os.environ.get("FLARE_TEST_DEVICE", "cuda")
 SMALL = os.environ.get("FLARE_TEST_SIZE", "full" if DEVICE == "cuda" else "small") == "small"
 
+# The CUDA forward path the suite forces (conftest.py's --arch-path sets it): auto, sm80 or sm90.
+ARCH_PATH = os.environ.get("FLARE_CUDA_ARCH_PATH", "auto")
+# What the sm90 forward claims (src/cuda/heuristics.cpp's rule, stated here independently): fp16/bf16, dense,
+# equal head dims of these sizes. Everything else must be refused when sm90 is forced.
+SM90_HEADDIMS = (64, 96, 128, 192, 256)
+
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
@@ -184,9 +190,25 @@ def reference(case, inputs, round_dtype=None, backward=True):
     return dense_attention(q, k, v, opts, dout, round_dtype, round_scores)
 
 
+def sm90_claims(case):
+    """Whether the sm90 forward claims the case."""
+    headdim_v = case.headdim if case.headdim_v is None else case.headdim_v
+    return (case.dtype in (torch.float16, torch.bfloat16) and not case.varlen and case.seqused_k is None
+            and case.headdim == headdim_v and case.headdim in SM90_HEADDIMS)
+
+
 def check_case(case, backward=True, device=None):
-    """The whole check of one case; raises AssertionError naming the case on any mismatch."""
+    """The whole check of one case; raises AssertionError naming the case on any mismatch. With the sm90 path
+    forced (ARCH_PATH) and a case it does not claim, checks instead that the forward is refused, naming sm90."""
     inputs = make_inputs(case, device)
+    if (device or DEVICE) == "cuda" and ARCH_PATH == "sm90" and not sm90_claims(case):
+        try:
+            run_flare(case, inputs, backward=False)
+        except NotImplementedError as e:
+            assert "sm90" in str(e), f"refused, but the message does not name the sm90 path: {e} [{case.describe()}]"
+            return inputs, None
+        raise AssertionError(f"the sm90 path was forced and does not claim this case, yet it ran "
+                             f"[{case.describe()}]")
     out, lse, grads = run_flare(case, inputs, backward)
     context = f"[{case.describe()}]"
     expected_out = (inputs["dout"].shape)

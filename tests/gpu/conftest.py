@@ -39,6 +39,9 @@ def pytest_addoption(parser):
          help="device the GPU suite runs on (default cuda; cpu checks the harness at small sizes)")
     _add(parser, ("--size", "--flare-size"), dest="flare_size", choices=["full", "small"], default=None,
          help="case lists: full (default on cuda) or small (default on cpu)")
+    _add(parser, ("--arch-path", "--flare-arch-path"), dest="flare_arch_path", choices=["auto", "sm80", "sm90"],
+         default=None, help="CUDA forward path the suite forces (FLARE_CUDA_ARCH_PATH; default auto): each case "
+         "the sm90 path does not claim then checks that a forced sm90 call is refused")
 
 
 def pytest_configure(config):
@@ -47,6 +50,8 @@ def pytest_configure(config):
             or ("full" if device == "cuda" else "small"))
     os.environ["FLARE_TEST_DEVICE"] = device  # read by cases.py when the test modules are imported
     os.environ["FLARE_TEST_SIZE"] = size
+    arch_path = getattr(config.option, "flare_arch_path", None) or os.environ.get("FLARE_CUDA_ARCH_PATH") or "auto"
+    os.environ["FLARE_CUDA_ARCH_PATH"] = arch_path  # read by the library at every forward call, and by cases.py
     cuda_build = REPO / "build" / "cuda" / "src" / "libflare.so"
     if device == "cuda" and "FLARE_LIBRARY" not in os.environ and cuda_build.is_file():
         os.environ["FLARE_LIBRARY"] = str(cuda_build)
@@ -59,6 +64,7 @@ def pytest_configure(config):
 def pytest_report_header(config):
     device = os.environ.get("FLARE_TEST_DEVICE")
     lines = [f"flare GPU suite: device {device}, sizes {os.environ.get('FLARE_TEST_SIZE')}, "
+             f"forward path {os.environ.get('FLARE_CUDA_ARCH_PATH')}, "
              f"session seed {SESSION_SEED} (FLARE_TEST_SEED={SESSION_SEED} replays it)",
              f"torch {torch.__version__}, library {os.environ.get('FLARE_LIBRARY', '(python/flare/_capi.py search)')}"]
     if device == "cuda" and torch.cuda.is_available():

@@ -104,7 +104,7 @@ def timing(headdims, rep_ms):
                 dout = torch.randn_like(q)
                 flops = attention_flops("fwd", b, h, s, s, d, causal)
                 row = {"headdim": d, "seqlen": s, "batch": b, "nheads": h, "causal": causal}
-                for impl, path in (("flare-sm90", "sm90"), ("flare-sm80", None)):
+                for impl, path in (("flare-sm90", "sm90"), ("flare-sm80", "sm80")):
                     set_path(path)
                     f = FlareAbi(q, k, v, dout, causal)
                     ms = time_ms(f.fwd)
