@@ -15,13 +15,17 @@ scripts/ensure-cutlass.sh
 cutlass=build/deps/cutlass/cutlass_library/source/include
 flags=(-std=c++20 --expt-relaxed-constexpr -I include -I src -isystem "$cutlass")
 
+# cuobjdump disassembles through nvdisasm, which it looks for on PATH.
 cuobjdump=$(command -v cuobjdump || true)
-if [[ -z $cuobjdump ]]; then
-  if [[ ! -x build/deps/cuobjdump/nvidia/cu13/bin/cuobjdump ]]; then
-    echo "check-sm90: installing cuobjdump (nvidia-cuda-cuobjdump) into build/deps/cuobjdump" >&2
-    python3 -m pip install -q --no-deps --target build/deps/cuobjdump "nvidia-cuda-cuobjdump>=13,<14" >&2
+if [[ -z $cuobjdump ]] || ! command -v nvdisasm >/dev/null; then
+  bin=build/deps/cuobjdump/nvidia/cu13/bin
+  if [[ ! -x $bin/cuobjdump || ! -x $bin/nvdisasm ]]; then
+    echo "check-sm90: installing cuobjdump and nvdisasm (PyPI nvidia-cuda-*) into build/deps/cuobjdump" >&2
+    python3 -m pip install -q --no-deps --target build/deps/cuobjdump "nvidia-cuda-cuobjdump>=13,<14" \
+      "nvidia-cuda-nvdisasm>=13,<14" >&2
   fi
-  cuobjdump=build/deps/cuobjdump/nvidia/cu13/bin/cuobjdump
+  export PATH="$PWD/$bin:$PATH"
+  cuobjdump=$bin/cuobjdump
 fi
 
 unit=src/cuda/instantiations/sm90_fwd_bf16_hdim128.cu

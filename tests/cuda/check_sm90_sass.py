@@ -57,7 +57,10 @@ def kernels_of(cuobjdump, path):
         if m and current:
             kernels[current] = {"regs": int(m.group(1)), "stack": int(m.group(2)), "local": int(m.group(4)),
                                 "sass": []}
-    sass = subprocess.run([cuobjdump, "--dump-sass", str(path)], capture_output=True, text=True, check=True).stdout
+    run = subprocess.run([cuobjdump, "--dump-sass", str(path)], capture_output=True, text=True)
+    if run.returncode != 0:  # e.g. nvdisasm, which cuobjdump runs, not on PATH
+        sys.exit(f"check_sm90_sass: cuobjdump --dump-sass {path} failed: {run.stderr.strip()}")
+    sass = run.stdout
     current = None
     for line in sass.splitlines():
         m = re.match(r"\s*Function : (\S+)", line)

@@ -96,7 +96,8 @@ void check_config() {
   }
   expect(cosize(typename T::SmemLayoutQ{}) == M * d, "Q buffer is dense", d);
   expect(cosize(kv) == N * d * T::kStages, "K/V ring is dense", d);
-  expect(T::kSmemBytes <= 227 * 1024, "shared storage exceeds the 227 KB of sm_90", d, T::kSmemBytes);
+  // The kernels also hold 1 KB of static shared memory (cuobjdump --dump-resource-usage: SHARED:1024).
+  expect(T::kSmemBytes + 1024 <= 227 * 1024, "shared storage exceeds the 227 KB of sm_90", d, T::kSmemBytes);
   expect(T::kTile.producer_regs * 128 + T::kTile.consumer_regs * T::kMmaThreads <= 65536, "register split", d);
   std::printf("hdim %3d: tile %dx%d, %d consumer warpgroups, %d stages, %d bytes of shared memory\n", d, M, N,
               T::kMmaWarpgroups, T::kStages, T::kSmemBytes);
