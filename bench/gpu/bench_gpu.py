@@ -54,7 +54,10 @@ TOTAL_TOKENS = 16384
 MODEL_WIDTH = 2048
 SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 HEADDIMS = [64, 128, 256]
-IMPLS = ["flare", "torch-flash", "torch-cudnn", "torch-efficient"]
+# flare-sm90 / flare-sm80: flare's forward with its CUDA path forced (arch_path; the backward has one path, so
+# these rows are forward rows only); "flare" is the path flare picks (auto).
+FLARE_PATHS = {"flare": "auto", "flare-sm90": "sm90", "flare-sm80": "sm80"}
+IMPLS = ["flare", "flare-sm90", "flare-sm80", "torch-flash", "torch-cudnn", "torch-efficient"]
 MEMORY_SEQLENS = [8192, 16384]
 MEMORY_IMPLS = ["flare", "torch-math", "torch-flash"]
 # Each torch backend's inputs in the memory order it runs fastest, all passed as (b, h, s, d) tensors: "bshd"
@@ -82,7 +85,7 @@ def sdpa_backends():
 class FlareAbi:
     """flare through the C ABI, params built once (the timed call is one ctypes call). Layout (b, s, h, d)."""
 
-    def __init__(self, q, k, v, dout, causal):
+    def __init__(self, q, k, v, dout, causal, arch_path="auto"):
         from flare import _capi
         lib = _capi.library()
         tv = _capi.tensor_view
@@ -96,6 +99,7 @@ class FlareAbi:
         fp.q, fp.k, fp.v, fp.out, fp.softmax_lse = tv(q), tv(k), tv(v), tv(self.out), tv(self.lse)
         fp.attn.causal = int(causal)
         fp.exec.stream = stream
+        fp.arch_path = _capi.arch_path_value(arch_path)
         self._workspace(fp, lib.fwd_workspace_size(fp, False), q.device)
         bp = lib.bwd_params()
         bp.q, bp.k, bp.v, bp.out, bp.dout, bp.softmax_lse = tv(q), tv(k), tv(v), tv(self.out), tv(dout), tv(self.lse)
@@ -291,9 +295,10 @@ def run_shape(seqlen, headdim, causal, args, time_ms, table):
     backends = sdpa_backends()
     runners, rows = {}, []
     for impl in args.impls:
-        if impl == "flare":
+        if impl in FLARE_PATHS:
             try:
-                runner = (FlareAbi(q, k, v, dout, causal) if args.flare_via == "abi"
+                runner = (FlareAbi(q, k, v, dout, causal, FLARE_PATHS[impl])
+                          if args.flare_via == "abi" or impl != "flare"
                           else Autograd(flare_autograd(causal), q, k, v, dout))
                 runner.fwd()
                 runner.bwd()
@@ -329,6 +334,8 @@ def run_shape(seqlen, headdim, causal, args, time_ms, table):
     for pass_ in args.passes:
         times = {}
         for impl, runner in runners.items():
+            if impl != "flare" and impl in FLARE_PATHS and pass_ != "fwd":
+                continue  # a forced path is a forward choice
             fn = runner.fwd if pass_ == "fwd" else runner.bwd
             ms = time_ms(fn)
             times[impl] = ms
@@ -404,7 +411,8 @@ class Table:
 
 def dry_run_rows(args):
     """Synthetic rows (no GPU): the shapes, FLOPs, ratios and JSON of a real run, with made-up times."""
-    fake_tflops = {"flare": 400.0, "torch-flash": 320.0, "torch-cudnn": 520.0, "torch-efficient": 150.0}
+    fake_tflops = {"flare": 400.0, "flare-sm90": 400.0, "flare-sm80": 330.0, "torch-flash": 320.0,
+                   "torch-cudnn": 520.0, "torch-efficient": 150.0}
     rows = []
     for headdim in args.headdims:
         for causal in args.causals:
@@ -412,6 +420,8 @@ def dry_run_rows(args):
                 shape = shape_of(seqlen, headdim, args)
                 for pass_ in args.passes:
                     for impl in args.impls:
+                        if impl in FLARE_PATHS and impl != "flare" and pass_ != "fwd":
+                            continue  # forward rows only, as in a real run
                         if impl == "torch-efficient" and headdim == 256 and pass_ == "bwd":
                             rows.append(make_row(pass_, impl, shape, causal, None, skipped="dry run: a refusal"))
                             continue
