@@ -18,7 +18,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 // 2^x (ex2.approx: relative error ~2^-22, -inf -> 0).
-__device__ __forceinline__ float fast_exp2(float x) {
+__device__ __forceinline__ float exp2_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
@@ -26,7 +26,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 // tanh from one ex2 and one reciprocal: tanh(u) = 1 - 2 / (e^{2u} + 1). Absolute error ~1e-7, saturating
 // cleanly to ±1 (no call to the libdevice tanhf, whose register appetite spilled the kernels).
-__device__ __forceinline__ float tanh_fast(float u) {
+__device__ __forceinline__ float tanh_approx(float u) {
   float e, r;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(u * (2.f * 1.4426950408889634f)));
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(e + 1.f));
@@ -137,7 +137,7 @@ __device__ __forceinline__ void shape_scores_each(S const& s, C const& coord, in
       if (kTransform && sh.transform) {
         x *= sh.scale;
         if (sh.softcap > 0.f) {
-          const float t = tanh_fast(x * sh.softcap_inv);
+          const float t = tanh_approx(x * sh.softcap_inv);
           x = sh.softcap * t;
           dtanh = 1.f - t * t;
         }

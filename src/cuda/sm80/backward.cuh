@@ -339,7 +339,7 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
       Tensor s = rowcol(acc_s);
       Tensor dp = rowcol(acc_dp);
       const auto p_and_ds = [&](int r, int c, float x, float dtanh) {
-        const float pr = fast_exp2(fmaf(x, f, -lse2[r]));
+        const float pr = exp2_approx(fmaf(x, f, -lse2[r]));
         s(r, c) = pr;
         dp(r, c) = pr * (dp(r, c) - dd[r]) * dtanh;
       };

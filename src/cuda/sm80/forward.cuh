@@ -203,13 +203,13 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
       for (int c = 0; c < size<1>(s); ++c) mx = fmaxf(mx, s(r, c));
       mx = quad_max(mx);
       const float base = (mx == -INFINITY ? 0.f : mx) * f;
-      correction[r] = fast_exp2(row_max[r] * f - base);  // 0 on the first visible tile
+      correction[r] = exp2_approx(row_max[r] * f - base);  // 0 on the first visible tile
       moved |= mx != row_max[r];
       row_max[r] = mx;
       float sum = 0.f;
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
-        const float e = fast_exp2(fmaf(s(r, c), f, -base));
+        const float e = exp2_approx(fmaf(s(r, c), f, -base));
         s(r, c) = e;
         sum += e;
       }

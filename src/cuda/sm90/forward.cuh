@@ -207,12 +207,12 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
       for (int c = 0; c < size<1>(s_rc); ++c) mx = fmaxf(mx, s_rc(r, c));
       mx = quad_max(mx);
       const float base = (mx == -INFINITY ? 0.f : mx) * f;
-      correction[r] = fast_exp2(row_max[r] * f - base);  // 0 on the first visible block
+      correction[r] = exp2_approx(row_max[r] * f - base);  // 0 on the first visible block
       row_max[r] = mx;
       float sum = 0.f;
       CUTE_UNROLL
       for (int c = 0; c < size<1>(s_rc); ++c) {
-        const float e = fast_exp2(fmaf(s_rc(r, c), f, -base));
+        const float e = exp2_approx(fmaf(s_rc(r, c), f, -base));
         s_rc(r, c) = e;
         sum += e;
       }
