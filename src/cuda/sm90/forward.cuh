@@ -290,6 +290,20 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
       lse[row] = sum > 0.f ? (row_max[r] * f + __log2f(sum)) * kLn2 : -INFINITY;
     }
   }
+  if (!any_keys) {
+    // No row of the tile sees a key: O is zeros, written straight to global memory (16 bytes a store). The
+    // staging buffer is not touched: at head dims above 128 it is Q's, which the producer may already be
+    // filling with the next tile's Q (it waits for nothing on a tile it did not load).
+    constexpr int kChunks = T::kHeadDim / 8;
+    Element* out = static_cast<Element*>(p.out.ptr) + b * p.out.batch_stride + h * p.out.head_stride;
+    for (int i = ctid; i < T::kBlockM * kChunks; i += T::kMmaThreads) {
+      const int row = m0 + i / kChunks;
+      if (row < p.seqlen_q) {
+        *reinterpret_cast<uint4*>(out + row * p.out.row_stride + (i % kChunks) * 8) = make_uint4(0, 0, 0, 0);
+      }
+    }
+    return;
+  }
   Tensor o_elem = make_tensor<Element>(tOrO.layout());
   convert_into(o_elem, tOrO);
   Element* o_buffer = T::kSeparateO ? ss.o.data() : ss.q.data();
@@ -298,7 +312,7 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
   if (ctid == 0) tma_store_wait<0>();
   // Every warpgroup is done with Q (all its S products have completed) and the buffer is free.
   cutlass::arch::NamedBarrier::sync(T::kMmaThreads, barrier_id(FwdBarrier::kEpilogue));
-  if (T::kSeparateO && any_keys && ctid == 0) cutlass::arch::ClusterBarrier::arrive(&ss.q_empty);
+  if (T::kSeparateO && ctid == 0) cutlass::arch::ClusterBarrier::arrive(&ss.q_empty);
   copy(o_elem, thr_pv.partition_C(sO));
   cutlass::arch::fence_view_async_shared();  // the copy engine reads what these threads wrote
   cutlass::arch::NamedBarrier::sync(T::kMmaThreads, barrier_id(FwdBarrier::kEpilogue));
@@ -312,10 +326,10 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
     if (!T::kSeparateO) {
       // O sits in Q's buffer: the next tile's Q waits until the copy engine has read it.
       tma_store_wait<0>();
-      if (any_keys) cutlass::arch::ClusterBarrier::arrive(&ss.q_empty);
+      cutlass::arch::ClusterBarrier::arrive(&ss.q_empty);
     }
   }
-  if (any_keys) st.q_phase ^= 1;
+  st.q_phase ^= 1;
 }
 
 // One CTA per SM: each walks its share of the tiles (FwdTileScheduler), warpgroup 0 loading, the others
