@@ -81,7 +81,7 @@ def check(name, k):
     problems = []
     text = "\n".join(k["sass"])
     d = head_dim_of(name)
-    ss = len(re.findall(r"HGMMA\.\S+ R\d+, gdesc\[", text)) or len(re.findall(r"HGMMA\.\S+\s+R\d+,\s*gdesc", text))
+    ss = len(re.findall(r"HGMMA\.\S+\s+R\d+,\s*gdesc", text))
     rs = len(re.findall(r"HGMMA\.\S+\s+R\d+,\s*R\d+", text))
     hgmma = len(re.findall(r"\bHGMMA\.", text))
     if hgmma == 0:

@@ -8,7 +8,6 @@ run's matmul and copy ceilings. Writes bench/meta's JSON (topic gpu-sm90) under 
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
