@@ -1,6 +1,6 @@
 // The sm90 forward's persistent tile order (src/cuda/sm90/tile_scheduler.hpp), on the CPU: every (query tile,
 // head, batch) is visited exactly once by the CTAs of the grid, the tiles of one head come together, and
-// within a head the longest tile (the last, under a causal mask) comes first.
+// within a head the longest tile (the last, under a causal mask) comes first; under a mask, one CTA per tile.
 #include <gtest/gtest.h>
 
 #include <random>
@@ -20,8 +20,9 @@ TEST(Sm90TileScheduler, EveryTileOnceLongestFirst) {
   for (int trial = 0; trial < 200; ++trial) {
     const FwdTileScheduler s{pick(1, 40), pick(1, 12), pick(1, 5)};
     const int sms = std::vector<int>{1, 7, 132, 1000}[trial % 4];
-    const int64_t grid = FwdTileScheduler::grid_size(s.tiles(), sms);
-    ASSERT_EQ(grid, std::min<int64_t>(s.tiles(), sms));
+    const bool uniform = trial % 3 != 0;
+    const int64_t grid = FwdTileScheduler::grid_size(s.tiles(), sms, uniform);
+    ASSERT_EQ(grid, uniform ? std::min<int64_t>(s.tiles(), sms) : s.tiles());
     std::set<std::tuple<int, int, int>> seen;
     for (int64_t cta = 0; cta < grid; ++cta) {
       for (int64_t t = cta; t < s.tiles(); t += grid) {

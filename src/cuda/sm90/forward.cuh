@@ -332,9 +332,9 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
   st.q_phase ^= 1;
 }
 
-// One CTA per SM: each walks its share of the tiles (FwdTileScheduler), warpgroup 0 loading, the others
-// computing; the rings and barriers carry from one tile to the next, so the next tile's loads overlap this
-// tile's last products and its epilogue.
+// Each CTA walks its share of the tiles (FwdTileScheduler: many when tiles cost the same, else one), warpgroup 0
+// loading, the others computing; the rings and barriers carry from one tile to the next, so the next tile's
+// loads overlap this tile's last products and its epilogue.
 template <class T>
 __global__ void __launch_bounds__(T::kThreads, 1) forward_kernel(const __grid_constant__ typename T::Params params) {
   extern __shared__ char smem[];
@@ -427,7 +427,7 @@ cudaError_t launch_forward(AttnParams const& p, cudaStream_t stream) {
     return e;
   }
   const FwdTileScheduler scheduler{(p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.nheads, p.batch};
-  const int64_t grid = FwdTileScheduler::grid_size(scheduler.tiles(), sm_count);
+  const int64_t grid = FwdTileScheduler::grid_size(scheduler.tiles(), sm_count, !windowed(p));
   if (grid == 0) return cudaSuccess;
   kernel<<<static_cast<unsigned>(grid), T::kThreads, T::kSmemBytes, stream>>>(params);
   return cudaGetLastError();

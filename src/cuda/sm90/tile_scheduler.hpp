@@ -1,6 +1,9 @@
 // tile_scheduler.hpp — which (query tile, head, batch) a persistent CTA of the sm90 forward works on next.
-// The grid holds one CTA per SM (or fewer, for small problems); CTA c takes tiles c, c + grid, c + 2·grid, ...
-// in the order below. Plain C++ with FLARE_HD, so tests/cpp check the order on the CPU.
+// CTA c takes tiles c, c + grid, c + 2·grid, ... in the order below. When every tile costs the same (no mask) the
+// grid holds one CTA per SM (or fewer, for small problems), each walking many tiles; under a mask tiles cost
+// different amounts, and a fixed stride hands some CTAs only long ones (with 132 SMs and 4 query tiles a head,
+// CTA c always gets tile c mod 4), so the grid holds one CTA per tile and the hardware hands them out as SMs
+// free up. Plain C++ with FLARE_HD, so tests/cpp check the order on the CPU.
 #pragma once
 
 #include <cstdint>
@@ -31,8 +34,11 @@ struct FwdTileScheduler {
     return {m_blocks - 1 - m, static_cast<int>(bh % nheads), static_cast<int>(bh / nheads)};
   }
 
-  // CTAs to launch: one per SM, never more than there are tiles.
-  static int64_t grid_size(int64_t tiles, int sm_count) { return tiles < sm_count ? tiles : sm_count; }
+  // CTAs to launch: one per tile when tiles differ in cost (`uniform_work` false), else one per SM, never more
+  // than there are tiles.
+  static int64_t grid_size(int64_t tiles, int sm_count, bool uniform_work) {
+    return !uniform_work || tiles < sm_count ? tiles : sm_count;
+  }
 };
 
 }  // namespace flare::cuda::sm90
