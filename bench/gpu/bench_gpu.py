@@ -83,9 +83,10 @@ def sdpa_backends():
 
 
 class FlareAbi:
-    """flare through the C ABI, params built once (the timed call is one ctypes call). Layout (b, s, h, d)."""
+    """flare through the C ABI, params built once (the timed call is one ctypes call). Layout (b, s, h, d); k
+    and v may have fewer heads (GQA); window (left, right) with -1 for unbounded, softcap 0 for none."""
 
-    def __init__(self, q, k, v, dout, causal, arch_path="auto"):
+    def __init__(self, q, k, v, dout, causal, arch_path="auto", window=(-1, -1), softcap=0.0):
         from flare import _capi
         lib = _capi.library()
         tv = _capi.tensor_view
@@ -98,6 +99,8 @@ class FlareAbi:
         fp = lib.fwd_params()
         fp.q, fp.k, fp.v, fp.out, fp.softmax_lse = tv(q), tv(k), tv(v), tv(self.out), tv(self.lse)
         fp.attn.causal = int(causal)
+        fp.attn.window_left, fp.attn.window_right = window
+        fp.attn.softcap = softcap
         fp.exec.stream = stream
         fp.arch_path = _capi.arch_path_value(arch_path)
         self._workspace(fp, lib.fwd_workspace_size(fp, False), q.device)
@@ -105,6 +108,8 @@ class FlareAbi:
         bp.q, bp.k, bp.v, bp.out, bp.dout, bp.softmax_lse = tv(q), tv(k), tv(v), tv(self.out), tv(dout), tv(self.lse)
         bp.dq, bp.dk, bp.dv = tv(self.dq), tv(self.dk), tv(self.dv)
         bp.attn.causal = int(causal)
+        bp.attn.window_left, bp.attn.window_right = window
+        bp.attn.softcap = softcap
         bp.exec.stream = stream
         self._workspace(bp, lib.bwd_workspace_size(bp, False), q.device)
         self.fwd_params, self.bwd_params = fp, bp
