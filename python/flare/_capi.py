@@ -168,9 +168,14 @@ class FlareCudaError(FlareError):
     """FLARE_CUDA_ERROR: the CUDA runtime reported an error."""
 
 
+class FlareArgumentError(ValueError, RuntimeError):
+    """An argument flare cannot take (FLARE_INVALID_ARGUMENT, or a check of the Python layer before the call).
+    Both a ValueError (Python's convention) and a RuntimeError (what code written for flash_attn catches)."""
+
+
 # status -> exception class; the message is always the library's own flare_last_error() text.
 _EXCEPTIONS = {
-    FLARE_INVALID_ARGUMENT: ValueError,
+    FLARE_INVALID_ARGUMENT: FlareArgumentError,
     FLARE_UNSUPPORTED: NotImplementedError,
     FLARE_OUT_OF_MEMORY: MemoryError,
     FLARE_CUDA_ERROR: FlareCudaError,
@@ -187,7 +192,7 @@ def arch_path_value(arch_path):
     """The flare_arch_path of a Python arch_path ("auto", "sm80" or "sm90")."""
     value = ARCH_PATHS.get(arch_path)
     if value is None:
-        raise ValueError(f"arch_path={arch_path!r}: it must be one of {', '.join(map(repr, ARCH_PATHS))}")
+        raise FlareArgumentError(f"arch_path={arch_path!r}: it must be one of {', '.join(map(repr, ARCH_PATHS))}")
     return value
 
 
@@ -196,15 +201,15 @@ def tensor_view(t):
     if t is None:
         return flare_tensor()  # rank 0: absent
     if t.dim() > FLARE_MAX_RANK:
-        raise ValueError(f"a tensor of rank {t.dim()} is above FLARE_MAX_RANK ({FLARE_MAX_RANK})")
+        raise FlareArgumentError(f"a tensor of rank {t.dim()} is above FLARE_MAX_RANK ({FLARE_MAX_RANK})")
     if t.dim() == 0:
-        raise ValueError("flare takes no 0-d tensors (rank 0 means 'absent' in the C ABI)")
+        raise FlareArgumentError("flare takes no 0-d tensors (rank 0 means 'absent' in the C ABI)")
     dtype = _DTYPES.get(str(t.dtype))
     if dtype is None:
-        raise ValueError(f"flare does not take dtype {t.dtype}")
+        raise FlareArgumentError(f"flare does not take dtype {t.dtype}")
     device = _DEVICES.get(t.device.type)
     if device is None:
-        raise ValueError(f"flare does not take tensors on device {t.device}")
+        raise FlareArgumentError(f"flare does not take tensors on device {t.device}")
     rank = t.dim()
     pad = (0,) * (FLARE_MAX_RANK - rank)
     # One struct.pack and one copy: this runs for every tensor of every call, and setting the fields one by

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from . import ops
+from ._capi import FlareArgumentError
 
 __all__ = [
     "flash_attn_func",
@@ -156,7 +157,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     are rotated (if rotary_cos/sin are given) and written into the cache in place at cache_seqlens, then
     attended to. cache_seqlens: int or int32 tensor (batch). Returns out, or (out, softmax_lse)."""
     if (k is None) != (v is None):
-        raise ValueError("flare: k and v (the new keys and values) must be given together")
+        raise FlareArgumentError("flare: k and v (the new keys and values) must be given together")
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     left, right = _window(window_size)
