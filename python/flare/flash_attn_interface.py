@@ -17,8 +17,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import ops
-from ._capi import FlareArgumentError
+from . import _checks, ops
 
 __all__ = [
     "flash_attn_func",
@@ -38,13 +37,22 @@ def _check_unsupported(dropout_p: float):
 
 
 def _scale(softmax_scale: Optional[float]) -> float:
-    # 0 asks the library for its default, 1/sqrt(headdim): the same as flash-attn's None.
-    return 0.0 if softmax_scale is None else float(softmax_scale)
+    # 0 asks the library for its default, 1/sqrt(headdim): the same as flash-attn's None. So a scale of 0 itself
+    # cannot be asked for, and is refused rather than read as the default.
+    if softmax_scale is None:
+        return 0.0
+    if softmax_scale == 0:
+        _checks.reject("softmax_scale=0: the C ABI reads a zero scale as 'the default' (1/sqrt(headdim)), so a "
+                       "zero scale cannot be asked for; pass None for the default")
+    return float(softmax_scale)
 
 
 def _window(window_size) -> Tuple[int, int]:
-    left, right = window_size
-    return int(left), int(right)
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        _checks.reject(f"window_size={window_size!r}: must be a pair (left, right)")
+    return _checks.integer(left, "window_size[0]"), _checks.integer(right, "window_size[1]")
 
 
 def _result(out: Tensor, lse: Tensor, return_attn_probs: bool):
@@ -113,12 +121,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     total_q)) instead of out. arch_path: as in flash_attn_func (varlen calls run the sm80 kernels today, so
     "sm90" refuses them)."""
     _check_unsupported(dropout_p)
+    left, right = _window(window_size)
+    max_seqlen_q = _checks.integer(max_seqlen_q, "max_seqlen_q")
+    max_seqlen_k = _checks.integer(max_seqlen_k, "max_seqlen_k")
+    scale = _scale(softmax_scale)
     if block_table is not None:
         k = _gather_paged(k, block_table, cu_seqlens_k)
         v = _gather_paged(v, block_table, cu_seqlens_k)
-    left, right = _window(window_size)
-    result, lse = ops.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q), int(max_seqlen_k),
-                          alibi_slopes, _scale(softmax_scale), bool(causal), left, right, float(softcap),
+    result, lse = ops.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                          alibi_slopes, scale, bool(causal), left, right, float(softcap),
                           bool(deterministic), str(arch_path))
     if out is not None:
         out.copy_(result)
@@ -156,12 +167,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (num_blocks, block_size, nheads_k, headdim) with block_table. k/v (batch, seqlen_new, nheads_k, headdim)
     are rotated (if rotary_cos/sin are given) and written into the cache in place at cache_seqlens, then
     attended to. cache_seqlens: int or int32 tensor (batch). Returns out, or (out, softmax_lse)."""
-    if (k is None) != (v is None):
-        raise FlareArgumentError("flare: k and v (the new keys and values) must be given together")
-    if isinstance(cache_seqlens, int):
-        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     left, right = _window(window_size)
+    if isinstance(cache_seqlens, int):
+        _checks.rank(q, "q", 4, ops._KVCACHE)
+        cache_seqlens = _checks.int32(cache_seqlens, "cache_seqlens")
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    num_splits = _checks.integer(num_splits, "num_splits")
     out, lse = ops.fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
-                               block_table, rotary_cos, rotary_sin, bool(rotary_interleaved), int(num_splits),
+                               block_table, rotary_cos, rotary_sin, bool(rotary_interleaved), num_splits,
                                alibi_slopes, _scale(softmax_scale), bool(causal), left, right, float(softcap))
     return (out, lse) if return_softmax_lse else out
