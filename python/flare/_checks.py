@@ -9,7 +9,7 @@ same errors an eager call raises:
   - what decides the outputs' shapes before the library runs (the ranks of q, k, v), and the devices of all
     tensors of a call (a meta tensor among real ones would otherwise run the fake kernel);
   - what the Python layer does on its own (an in-place append into a cache autograd tracks, rotary tables
-    given one without the other).
+    given one without the other, an out= it copies the result into).
 Every failure is a FlareArgumentError whose message names the argument, the value and the rule.
 """
 
@@ -124,3 +124,22 @@ def _other_device(name, t, first, device):
     if not isinstance(t, torch.Tensor):
         reject(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
     reject(f"{name} is on {t.device} but {first} on {device}: all tensors of a call must be on one device")
+
+
+def output(t, name, shape, like):
+    """An out= tensor the Python layer writes the result into: exactly shape, like's dtype and device, each
+    element its own memory (no stride-0 dims), and writable where autograd is on (not a leaf requiring grad).
+    Checked before the work, so a wrong one costs none and is never half written."""
+    if not isinstance(t, torch.Tensor):
+        reject(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        reject(f"{name} has shape {tuple(t.shape)} but the result has shape {tuple(shape)}")
+    if t.dtype != like.dtype:
+        reject(f"{name} has dtype {t.dtype} but the result {like.dtype}: no casting into out=")
+    if t.device != like.device:
+        reject(f"{name} is on {t.device} but q on {like.device}")
+    if any(stride == 0 and extent > 1 for stride, extent in zip(t.stride(), t.shape)):
+        reject(f"{name} has strides {t.stride()}: elements that share memory (a stride-0 dim) cannot each be "
+               "written")
+    if t.requires_grad and t.is_leaf and torch.is_grad_enabled():
+        reject(f"{name} is a leaf that requires grad: it cannot be written in place")

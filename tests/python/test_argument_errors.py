@@ -153,6 +153,55 @@ def test_the_fake_kernels_raise_what_the_eager_calls_raise():
 # ---- a clear error before any work or allocation ---------------------------------------------------------
 
 
+def _paged_case():
+    k_cache, v_cache = torch.randn(4, 8, 2, 16), torch.randn(4, 8, 2, 16)
+    q, cu_q = torch.randn(3, 2, 16), torch.tensor([0, 2, 3], dtype=torch.int32)
+    cu_k = torch.tensor([0, 12, 15], dtype=torch.int32)  # sequence 0: 2 blocks, sequence 1: 1 block
+    return q, k_cache, v_cache, cu_q, cu_k
+
+
+def test_paged_varlen_block_table_is_checked():
+    q, kc, vc, cu_q, cu_k = _paged_case()
+    good = torch.tensor([[2, 0], [3, 1]], dtype=torch.int32)
+    out = flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 2, 12, block_table=good)
+    keys, vals = kc[[2, 0]].reshape(-1, 2, 16)[:12], vc[[2, 0]].reshape(-1, 2, 16)[:12]
+    ref, _ = reference_attention(q[:2][None], keys[None], vals[None])
+    assert_close_ref(out[:2], ref[0], torch.float32)
+    with pytest.raises(FlareArgumentError, match=r"block_table holds block -1 .* k has 4 blocks"):
+        flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 2, 12, block_table=torch.tensor([[2, -1], [3, 0]]))
+    with pytest.raises(FlareArgumentError, match=r"block_table holds block 4 "):
+        flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 2, 12, block_table=torch.tensor([[2, 0], [4, 0]]))
+    with pytest.raises(RuntimeError, match=r"sequence 0 has 12 keys, 2 blocks of 8, but block_table has 1 columns"):
+        flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 2, 12, block_table=good[:, :1])
+    with pytest.raises(FlareArgumentError, match=r"cu_seqlens_k = \[0, 12, 9\] must start at 0 and not decrease"):
+        flash_attn_varlen_func(q, kc, vc, cu_q, torch.tensor([0, 12, 9]), 2, 12, block_table=good)
+    with pytest.raises(FlareArgumentError, match="block_table has dtype torch.float32"):
+        flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 2, 12, block_table=good.float())
+
+
+def test_out_is_checked_before_the_work(monkeypatch):
+    qv, kv, vv, cu = varlen()
+    calls = []
+    real_fwd = ops.fwd
+    monkeypatch.setattr(ops, "fwd", lambda *args: calls.append(1) or real_fwd(*args))
+    bad = {
+        "shape": (torch.empty(2, 8, 2, 16), "out has shape \\(2, 8, 2, 16\\) but the result has shape \\(8, 2, 16\\)"),
+        "last dim": (torch.empty(8, 2, 15), "out has shape \\(8, 2, 15\\)"),
+        "dtype": (torch.empty(8, 2, 16, dtype=torch.float64), "out has dtype torch.float64 but the result"),
+        "device": (torch.empty(8, 2, 16, device="meta"), "out is on meta but q on cpu"),
+        "overlap": (torch.empty(8, 2, 1).expand(8, 2, 16), "stride-0"),
+        "leaf": (torch.empty(8, 2, 16, requires_grad=True), "leaf that requires grad"),
+    }
+    for what, (out, message) in bad.items():
+        with pytest.raises(FlareArgumentError, match=message):
+            flash_attn_varlen_func(qv, kv, vv, cu, cu, 5, 5, out=out)
+    assert calls == []
+    out = torch.full((8, 2, 16), float("nan"))
+    assert flash_attn_varlen_func(qv, kv, vv, cu, cu, 5, 5, out=out) is out and calls == [1]
+    ref, _ = reference_attention(qv[:5][None], kv[:5][None], vv[:5][None])
+    assert_close_ref(out[:5], ref[0], torch.float32)
+
+
 def test_kvcache_that_requires_grad_is_not_written():
     q, kn, vn = torch.randn(1, 1, 2, 16), torch.randn(1, 1, 2, 16), torch.randn(1, 1, 2, 16)
     kc, vc = torch.zeros(1, 16, 2, 16, requires_grad=True), torch.zeros(1, 16, 2, 16)
