@@ -11,7 +11,7 @@ libflare is loaded on first use, not at import (see _capi for where it is looked
 """
 
 from . import ops
-from ._capi import FlareCudaError, FlareError, library
+from ._capi import FlareArgumentError, FlareCudaError, FlareError, library
 from .flash_attn_interface import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -41,6 +41,7 @@ def has_cuda() -> bool:
 
 
 __all__ = [
+    "FlareArgumentError",
     "FlareCudaError",
     "FlareError",
     "cpu_isa",

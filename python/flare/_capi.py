@@ -13,6 +13,7 @@ Finding the library, first match wins:
 """
 
 import ctypes
+import functools
 import os
 import struct
 import threading
@@ -168,9 +169,14 @@ class FlareCudaError(FlareError):
     """FLARE_CUDA_ERROR: the CUDA runtime reported an error."""
 
 
+class FlareArgumentError(ValueError, RuntimeError):
+    """An argument flare cannot take (FLARE_INVALID_ARGUMENT, or a check of the Python layer before the call).
+    Both a ValueError (Python's convention) and a RuntimeError (what code written for flash_attn catches)."""
+
+
 # status -> exception class; the message is always the library's own flare_last_error() text.
 _EXCEPTIONS = {
-    FLARE_INVALID_ARGUMENT: ValueError,
+    FLARE_INVALID_ARGUMENT: FlareArgumentError,
     FLARE_UNSUPPORTED: NotImplementedError,
     FLARE_OUT_OF_MEMORY: MemoryError,
     FLARE_CUDA_ERROR: FlareCudaError,
@@ -187,7 +193,7 @@ def arch_path_value(arch_path):
     """The flare_arch_path of a Python arch_path ("auto", "sm80" or "sm90")."""
     value = ARCH_PATHS.get(arch_path)
     if value is None:
-        raise ValueError(f"arch_path={arch_path!r}: it must be one of {', '.join(map(repr, ARCH_PATHS))}")
+        raise FlareArgumentError(f"arch_path={arch_path!r}: it must be one of {', '.join(map(repr, ARCH_PATHS))}")
     return value
 
 
@@ -195,54 +201,75 @@ def tensor_view(t):
     """A flare_tensor viewing torch tensor t (no copy; t must stay alive for the call). None -> absent."""
     if t is None:
         return flare_tensor()  # rank 0: absent
-    if t.dim() > FLARE_MAX_RANK:
-        raise ValueError(f"a tensor of rank {t.dim()} is above FLARE_MAX_RANK ({FLARE_MAX_RANK})")
-    if t.dim() == 0:
-        raise ValueError("flare takes no 0-d tensors (rank 0 means 'absent' in the C ABI)")
-    dtype = _DTYPES.get(str(t.dtype))
+    return _view(t.data_ptr(), t.dtype, t.device, t.shape, t.stride())
+
+
+# The data pointer of a planned view: never read or written (validation looks at shapes, strides and alignment,
+# not at an output's contents), non-null and aligned like any allocation, so the output passes the same checks
+# the allocated one will.
+_PLANNED_DATA = 4096
+
+
+@functools.lru_cache(maxsize=256)
+def planned_view(shape, dtype, device):
+    """A flare_tensor for an output not allocated yet: torch.empty(shape, dtype, device)'s shape and strides,
+    at a placeholder address. Lets flare validate a call before the Python layer allocates its outputs, which
+    then only sets .data. Kept per (shape, dtype, device): the struct is copied wherever it is assigned."""
+    strides, step = [], 1
+    for extent in reversed(shape):  # contiguous, as torch.empty lays it out
+        strides.append(step)
+        step *= max(extent, 1)
+    return _view(_PLANNED_DATA, dtype, device, shape, strides[::-1])
+
+
+def _view(data, dtype_, device_, shape, strides):
+    rank = len(shape)
+    if rank > FLARE_MAX_RANK:
+        raise FlareArgumentError(f"a tensor of rank {rank} is above FLARE_MAX_RANK ({FLARE_MAX_RANK})")
+    if rank == 0:
+        raise FlareArgumentError("flare takes no 0-d tensors (rank 0 means 'absent' in the C ABI)")
+    dtype = _DTYPES.get(str(dtype_))
     if dtype is None:
-        raise ValueError(f"flare does not take dtype {t.dtype}")
-    device = _DEVICES.get(t.device.type)
+        raise FlareArgumentError(f"flare does not take dtype {dtype_}")
+    device = _DEVICES.get(device_.type)
     if device is None:
-        raise ValueError(f"flare does not take tensors on device {t.device}")
-    rank = t.dim()
+        raise FlareArgumentError(f"flare does not take tensors on device {device_}")
     pad = (0,) * (FLARE_MAX_RANK - rank)
     # One struct.pack and one copy: this runs for every tensor of every call, and setting the fields one by
     # one took 1.6 times as long (bench/cpu/host_cost.py: 6.4 against 4.1 us,
     # bench/results/host-cost-2026-12-03-e0deda4.json).
-    return flare_tensor.from_buffer_copy(_TENSOR_PACK.pack(t.data_ptr(), dtype, device, t.device.index or 0, rank,
-                                                           *t.shape, *pad, *t.stride(), *pad))
+    return flare_tensor.from_buffer_copy(_TENSOR_PACK.pack(data, dtype, device, device_.index or 0, rank,
+                                                           *shape, *pad, *strides, *pad))
 
 
-def _spans_apart_from_the_problem(params_type):
-    """(offset, size) of the bytes of a params struct that are not the problem: each tensor's data pointer
-    (the alibi_slopes one inside attn too) and exec (stream, threads, workspace)."""
+def _problem_mask(params_type):
+    """An int with the bits of a params struct that pose the problem set, and those that do not cleared: each
+    tensor's data pointer (the alibi_slopes one inside attn too) and exec (stream, threads, workspace)."""
+    mask = bytearray(b"\xff" * ctypes.sizeof(params_type))
     pointer = (flare_tensor.data.offset, ctypes.sizeof(c_void_p))
-    spans = []
     for name, field_type in params_type._fields_:
         offset = getattr(params_type, name).offset
         if field_type is flare_tensor:
-            spans.append((offset + pointer[0], pointer[1]))
+            offset, size = offset + pointer[0], pointer[1]
         elif field_type is flare_attn_options:
-            spans.append((offset + flare_attn_options.alibi_slopes.offset + pointer[0], pointer[1]))
+            offset, size = offset + flare_attn_options.alibi_slopes.offset + pointer[0], pointer[1]
         elif field_type is flare_exec_options:
-            spans.append((offset, ctypes.sizeof(flare_exec_options)))
-    return tuple(spans)
+            size = ctypes.sizeof(flare_exec_options)
+        else:
+            continue
+        mask[offset:offset + size] = bytes(size)
+    return int.from_bytes(mask, "little")
 
 
-_PROBLEM_SPANS = {t: _spans_apart_from_the_problem(t)
-                  for t in (flare_fwd_params, flare_bwd_params, flare_kvcache_params)}
+_PROBLEM_MASKS = {t: _problem_mask(t) for t in (flare_fwd_params, flare_bwd_params, flare_kvcache_params)}
 
 
 def problem_key(params):
-    """The bytes of a params struct with its data pointers and exec zeroed: equal for two calls that pose the
-    same problem (shapes, strides, dtypes, devices, options) on different data or streams. What flare decides
-    from the params alone (the workspace size on CUDA, where it reads no tensor's contents) is the same for
-    equal keys."""
-    raw = bytearray(bytes(params))
-    for offset, size in _PROBLEM_SPANS[type(params)]:
-        raw[offset:offset + size] = bytes(size)
-    return type(params), bytes(raw)
+    """The bytes of a params struct with its data pointers and exec cleared (as one int: a single AND): equal
+    for two calls that pose the same problem (shapes, strides, dtypes, devices, options) on different data or
+    streams. What flare decides from the params alone (the workspace size on CUDA, where it reads no tensor's
+    contents) is the same for equal keys."""
+    return type(params), int.from_bytes(bytes(params), "little") & _PROBLEM_MASKS[type(params)]
 
 
 def _candidate_paths():

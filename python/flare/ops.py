@@ -19,12 +19,13 @@ the reason, for a call the sm90 kernels cannot run). The CPU ignores it; the bac
 kernels, so autograd does not hand it on. docs/cuda-backend.md has the rule.
 """
 
+import contextlib
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from . import _capi
+from . import _capi, _checks
 
 # ---- helpers shared by the ops ------------------------------------------------------------------------
 
@@ -35,25 +36,18 @@ def _last_dim_contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
     return t.contiguous()
 
 
-def _index32(t: Optional[Tensor]) -> Optional[Tensor]:
-    """Index tensors cross the ABI as contiguous int32."""
-    if t is None:
-        return None
-    return t.to(torch.int32).contiguous()
-
-
 def _attn_options(ref: Tensor, softmax_scale: float, causal: bool, window_left: int, window_right: int,
                   softcap: float, alibi_slopes: Optional[Tensor]):
     """A flare_attn_options; also returns the tensors the views point into (keep them alive)."""
     opts = _capi.flare_attn_options()
-    opts.softmax_scale = softmax_scale  # 0 = the library's default, 1/sqrt(headdim)
+    opts.softmax_scale = softmax_scale  # 0 = the library's default, 1/sqrt(headdim) (_checks keeps 1e-50 from 0)
     opts.softcap = softcap
     opts.causal = int(causal)
     opts.window_left = window_left
     opts.window_right = window_right
     keep = []
     if alibi_slopes is not None:
-        slopes = alibi_slopes.to(device=ref.device, dtype=torch.float32).contiguous()
+        slopes = alibi_slopes.to(dtype=torch.float32).contiguous()
         keep.append(slopes)
         opts.alibi_slopes = _capi.tensor_view(slopes)
     return opts, keep
@@ -87,20 +81,33 @@ def _workspace_bytes(p, entry, workspace_size):
     return nbytes
 
 
-def _run(ref: Tensor, entry, workspace_size, p):
+def _on_device(ref: Tensor):
+    """ref's CUDA device made current (so a tensor on cuda:1 works whatever the current device is); nothing on
+    the CPU."""
+    return torch.cuda.device(ref.device) if ref.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _validate(ref: Tensor, entry, workspace_size, p):
+    """flare's own checks of p, before the Python layer allocates the call's outputs (p holds planned views for
+    them: _capi.planned_view), so a call flare refuses costs no allocation, however large its outputs would be.
+    They run in flare's size query, asked once per problem (_workspace_bytes): a later call of the same problem
+    is validated once, by the call itself. Returns the workspace bytes the call needs on CUDA."""
+    with _on_device(ref):
+        return _workspace_bytes(p, entry, workspace_size)
+
+
+def _run(ref: Tensor, entry, nbytes, p):
     """Calls entry(p) for tensors on ref's device, with p.exec set for it (_exec_options). On CUDA the call
-    runs with ref's device current (so a tensor on cuda:1 works whatever the current device is) and its
-    scratch is a workspace from torch's caching allocator, sized by flare's query (asked once per problem:
-    _workspace_bytes): flare then allocates nothing itself, which keeps the call capturable in a CUDA graph
-    and its memory visible to torch. The workspace is released when this returns; the allocator hands it out
-    again only to later work on the same stream, so the kernel keeps it."""
+    runs with ref's device current, and its scratch is a workspace of nbytes (_validate) from torch's caching
+    allocator: flare then allocates nothing itself, which keeps the call capturable in a CUDA graph and its
+    memory visible to torch. The workspace is released when this returns; the allocator hands it out again
+    only to later work on the same stream, so the kernel keeps it."""
     if ref.device.type != "cuda":
         p.exec = _exec_options(ref)
         entry(p)
         return
     with torch.cuda.device(ref.device):
         p.exec = _exec_options(ref)
-        nbytes = _workspace_bytes(p, entry, workspace_size)
         workspace = None
         if nbytes:
             workspace = torch.empty(nbytes, dtype=torch.uint8, device=ref.device)
@@ -109,11 +116,15 @@ def _run(ref: Tensor, entry, workspace_size, p):
         del workspace
 
 
-def _set_views(p, **tensors):
-    """p.<name> = a view of each tensor given; None leaves the params' default (absent) in place."""
+def _set_index_views(p, **tensors):
+    """p.<name> = a view of each index tensor given, as int32 (_checks.index32); None leaves the params' default
+    (absent) in place. Returns the int32 tensors the views point into (keep them alive)."""
+    keep = []
     for name, t in tensors.items():
         if t is not None:
-            setattr(p, name, _capi.tensor_view(t))
+            keep.append(_checks.index32(t, name))
+            setattr(p, name, _capi.tensor_view(keep[-1]))
+    return keep
 
 
 def _lse_shape(q: Tensor, varlen: bool):
@@ -124,6 +135,56 @@ def _lse_shape(q: Tensor, varlen: bool):
 
 def _out_shape(q: Tensor, v: Tensor):
     return (*q.shape[:-1], v.shape[-1])
+
+
+# ---- the Python layer's own checks (_checks), shared by each op and its fake ----------------------------
+
+_DENSE = "q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim[_v])"
+_VARLEN = "q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim[_v]) with cu_seqlens_q/k"
+_KVCACHE = ("q (batch, seqlen_q, nheads, headdim), k_cache/v_cache (batch_cache, seqlen_cache, nheads_k, "
+            "headdim[_v]) or paged (num_blocks, block_size, nheads_k, headdim[_v]), k/v new like k_cache")
+
+
+def _options(softmax_scale, window_left, window_right, softcap):
+    """(int32s, float32s) of _checks.call for the options every pass takes."""
+    return ((("window_left", window_left), ("window_right", window_right)),
+            (("softmax_scale", softmax_scale, "the default scale 1/sqrt(headdim)"),
+             ("softcap", softcap, "no softcap")))
+
+
+def _check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
+                     softmax_scale, window_left, window_right, softcap, grads=()):
+    """flare::fwd's and flare::bwd's arguments (grads: bwd's ((name, tensor), ...) of dout, out, softmax_lse)."""
+    rank, layout = (4, _DENSE) if cu_seqlens_q is None else (3, _VARLEN)
+    int32s, float32s = _options(softmax_scale, window_left, window_right, softcap)
+    _checks.call(layout, (("q", q, rank), ("k", k, rank), ("v", v, rank)),
+                 (("alibi_slopes", alibi_slopes),) + grads,
+                 (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k)),
+                 (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)) + int32s, float32s)
+
+
+def _check_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                   rotary_cos, rotary_sin, num_splits, alibi_slopes, softmax_scale, window_left, window_right,
+                   softcap):
+    int32s, float32s = _options(softmax_scale, window_left, window_right, softcap)
+    _checks.call(_KVCACHE, (("q", q, 4), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)),
+                 (("k_new", k_new), ("v_new", v_new), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+                  ("alibi_slopes", alibi_slopes)),
+                 (("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
+                  ("cache_leftpad", cache_leftpad), ("block_table", block_table)),
+                 (("num_splits", num_splits),) + int32s, float32s)
+    appended = "k_new and v_new (the keys and values to append: flash_attn_with_kvcache's k and v)"
+    for a, b, names in ((k_new, v_new, appended),
+                        (rotary_cos, rotary_sin, "rotary_cos and rotary_sin")):
+        if (a is None) != (b is None):
+            _checks.reject(f"{names} must be given together (one of them is None)")
+    # The op runs below autograd (grad mode is off in here, whatever the caller's), so a cache that requires
+    # grad is refused whenever it is written, as torch refuses an in-place op on a leaf that requires grad.
+    if k_new is not None:
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if cache.requires_grad:
+                _checks.reject(f"{name} requires grad, but appending k_new/v_new writes it in place and the "
+                               "KV-cache pass has no autograd: pass a cache that does not require grad")
 
 
 # ---- forward ------------------------------------------------------------------------------------------
@@ -138,22 +199,29 @@ def fwd_eager(q: Tensor, k: Tensor, v: Tensor,
     per call, 55 for bwd_eager, on a 2-core EPYC: bench/cpu/host_cost.py): no autograd, not traceable by
     torch.compile. For code that holds its own autograd and issues many calls (flare.distributed's ring);
     everything else should call fwd."""
+    _check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
+                     softmax_scale, window_left, window_right, softcap)
     varlen = cu_seqlens_q is not None
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-    out = torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device)
-    lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
+    out_shape, lse_shape = _out_shape(q, v), _lse_shape(q, varlen)
 
     lib = _capi.library()
     p = lib.fwd_params()
     tv = _capi.tensor_view
-    p.q, p.k, p.v, p.out, p.softmax_lse = tv(q), tv(k), tv(v), tv(out), tv(lse)
-    cu_seqlens_q, cu_seqlens_k, seqused_k = _index32(cu_seqlens_q), _index32(cu_seqlens_k), _index32(seqused_k)
-    _set_views(p, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k)
+    p.q, p.k, p.v = tv(q), tv(k), tv(v)
+    p.out = _capi.planned_view(out_shape, q.dtype, q.device)
+    p.softmax_lse = _capi.planned_view(lse_shape, torch.float32, q.device)
+    index = _set_index_views(p, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k)
     p.max_seqlen_q, p.max_seqlen_k = max_seqlen_q, max_seqlen_k
     p.attn, keep = _attn_options(q, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
     p.arch_path = _capi.arch_path_value(arch_path)
-    _run(q, lib.fwd_varlen if varlen else lib.fwd, lambda p: lib.fwd_workspace_size(p, varlen), p)
-    del keep
+    entry = lib.fwd_varlen if varlen else lib.fwd
+    nbytes = _validate(q, entry, lambda p: lib.fwd_workspace_size(p, varlen), p)
+    out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    p.out.data, p.softmax_lse.data = out.data_ptr(), lse.data_ptr()  # laid out as planned
+    _run(q, entry, nbytes, p)
+    del keep, index
     return out, lse
 
 
@@ -173,6 +241,8 @@ def fwd(q: Tensor, k: Tensor, v: Tensor,
 @fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
       softmax_scale, causal, window_left, window_right, softcap, deterministic, arch_path="auto"):
+    _check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
+                     softmax_scale, window_left, window_right, softcap)
     _capi.arch_path_value(arch_path)  # a bad name fails when traced as it would when run
     varlen = cu_seqlens_q is not None
     out = q.new_empty(_out_shape(q, v))
@@ -189,26 +259,29 @@ def bwd_eager(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softma
               softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
               deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """flare::bwd's computation called directly, without torch's custom-op dispatch (see fwd_eager)."""
+    _check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
+                     softmax_scale, window_left, window_right, softcap,
+                     (("dout", dout), ("out", out), ("softmax_lse", softmax_lse)))
     varlen = cu_seqlens_q is not None
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     out, dout = _last_dim_contiguous(out), _last_dim_contiguous(dout).to(q.dtype)
     softmax_lse = softmax_lse.contiguous()
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
 
     lib = _capi.library()
     p = lib.bwd_params()
     tv = _capi.tensor_view
     p.q, p.k, p.v, p.out, p.dout, p.softmax_lse = tv(q), tv(k), tv(v), tv(out), tv(dout), tv(softmax_lse)
-    p.dq, p.dk, p.dv = tv(dq), tv(dk), tv(dv)
-    cu_seqlens_q, cu_seqlens_k, seqused_k = _index32(cu_seqlens_q), _index32(cu_seqlens_k), _index32(seqused_k)
-    _set_views(p, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k)
+    p.dq, p.dk, p.dv = (_capi.planned_view(t.shape, t.dtype, t.device) for t in (q, k, v))
+    index = _set_index_views(p, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k)
     p.max_seqlen_q, p.max_seqlen_k = max_seqlen_q, max_seqlen_k
     p.deterministic = int(deterministic)
     p.attn, keep = _attn_options(q, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
-    _run(q, lib.bwd_varlen if varlen else lib.bwd, lambda p: lib.bwd_workspace_size(p, varlen), p)
-    del keep
+    entry = lib.bwd_varlen if varlen else lib.bwd
+    nbytes = _validate(q, entry, lambda p: lib.bwd_workspace_size(p, varlen), p)
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    p.dq.data, p.dk.data, p.dv.data = dq.data_ptr(), dk.data_ptr(), dv.data_ptr()  # laid out as planned
+    _run(q, entry, nbytes, p)
+    del keep, index
     return dq, dk, dv
 
 
@@ -227,6 +300,9 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse:
 @bwd.register_fake
 def _(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
       alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, deterministic):
+    _check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
+                     softmax_scale, window_left, window_right, softcap,
+                     (("dout", dout), ("out", out), ("softmax_lse", softmax_lse)))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -269,26 +345,33 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optional[Ten
                 window_left: int, window_right: int, softcap: float) -> tuple[Tensor, Tensor]:
     """Attention of q against a (dense or paged) KV cache, appending k_new/v_new to it in place first.
     Returns (out, softmax_lse)."""
+    _check_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                   rotary_cos, rotary_sin, num_splits, alibi_slopes, softmax_scale, window_left, window_right,
+                   softcap)
     q = _last_dim_contiguous(q)
     k_new, v_new = _last_dim_contiguous(k_new), _last_dim_contiguous(v_new)
     rotary_cos, rotary_sin = _last_dim_contiguous(rotary_cos), _last_dim_contiguous(rotary_sin)
     if rotary_cos is not None and rotary_cos.stride() != rotary_sin.stride():  # the ABI wants one row stride
         rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
-    out = torch.empty(_out_shape(q, v_cache), dtype=q.dtype, device=q.device)
-    lse = torch.empty(_lse_shape(q, False), dtype=torch.float32, device=q.device)
+    out_shape, lse_shape = _out_shape(q, v_cache), _lse_shape(q, False)
 
     lib = _capi.library()
     p = lib.kvcache_params()
     tv = _capi.tensor_view
     p.q, p.k_cache, p.v_cache, p.k_new, p.v_new = tv(q), tv(k_cache), tv(v_cache), tv(k_new), tv(v_new)
-    index = [_index32(t) for t in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table)]
-    p.cache_seqlens, p.cache_batch_idx, p.cache_leftpad, p.block_table = (tv(t) for t in index)
+    index = _set_index_views(p, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+                             cache_leftpad=cache_leftpad, block_table=block_table)
     p.rotary_cos, p.rotary_sin = tv(rotary_cos), tv(rotary_sin)
     p.rotary_interleaved = int(rotary_interleaved)
     p.num_splits = num_splits
-    p.out, p.softmax_lse = tv(out), tv(lse)
+    p.out = _capi.planned_view(out_shape, q.dtype, q.device)
+    p.softmax_lse = _capi.planned_view(lse_shape, torch.float32, q.device)
     p.attn, keep = _attn_options(q, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
-    _run(q, lib.fwd_kvcache, lib.kvcache_workspace_size, p)
+    nbytes = _validate(q, lib.fwd_kvcache, lib.kvcache_workspace_size, p)
+    out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    p.out.data, p.softmax_lse.data = out.data_ptr(), lse.data_ptr()  # laid out as planned
+    _run(q, lib.fwd_kvcache, nbytes, p)
     del keep, index
     return out, lse
 
@@ -297,4 +380,7 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optional[Ten
 def _(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
       rotary_cos, rotary_sin, rotary_interleaved, num_splits, alibi_slopes, softmax_scale, causal,
       window_left, window_right, softcap):
+    _check_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                   rotary_cos, rotary_sin, num_splits, alibi_slopes, softmax_scale, window_left, window_right,
+                   softcap)
     return q.new_empty(_out_shape(q, v_cache)), q.new_empty(_lse_shape(q, False), dtype=torch.float32)

@@ -10,15 +10,15 @@ flare (CUDA's _scaled_dot_product_flash_attention is to follow with the CUDA bac
 differ from FlashAttention's in two ways handled here: (batch, nheads, seqlen, headdim) layout (a transpose,
 no copy) and top-left causal alignment (for seqlen_q > seqlen_k it is flare's window (-1, seqlen_q -
 seqlen_k); for seqlen_q < seqlen_k flare cannot express it). Calls flare cannot run as asked (an attn_mask,
-dropout, top-left causal with seqlen_q < seqlen_k) are computed by a plain math path in this module, so
-activating never changes results, only where they come from.
+dropout, top-left causal with seqlen_q < seqlen_k, a scale of 0) are computed by a plain math path in this
+module, so activating never changes results, only where they come from.
 """
 
 import math
 
 import torch
 
-from . import ops
+from . import _checks, ops
 
 NAME = "flare"
 _registered = False
@@ -36,6 +36,12 @@ def _flare_window(sq, sk, is_causal):
     if sq > sk:
         return False, -1, sq - sk
     return None
+
+
+def _flare_runs(attn_mask, window, scale):
+    """Whether flare computes this call as asked: no attn_mask, a causal alignment it can express, and a scale
+    its fp32 field holds (a scale that is or rounds to 0 would read there as the default 1/sqrt(headdim))."""
+    return attn_mask is None and window is not None and _checks.fp32(scale) != 0
 
 
 def _math_scores(query, key, attn_mask, is_causal, scale):
@@ -61,7 +67,7 @@ def _sdpa_forward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mas
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     window = _flare_window(sq, sk, is_causal)
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
-    if attn_mask is None and window is not None:
+    if _flare_runs(attn_mask, window, scale):
         causal, left, right = window
         out, lse = ops.fwd(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None, None, None, 0,
                            0, None, float(scale), causal, left, right, 0.0, False)
@@ -78,7 +84,7 @@ def _sdpa_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_ca
     sq, sk = query.shape[-2], key.shape[-2]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     window = _flare_window(sq, sk, is_causal)
-    if attn_mask is None and window is not None and dropout_p == 0.0:
+    if _flare_runs(attn_mask, window, scale) and dropout_p == 0.0:
         causal, left, right = window
         t = lambda x: x.transpose(1, 2)  # noqa: E731
         dq, dk, dv = ops.bwd(t(grad_out), t(query), t(key), t(value), t(out), logsumexp.float(), None, None,

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .._capi import FlareArgumentError
+
 
 class Pending:
     """Tensors in flight: wait() returns the received ones (same shapes and dtypes as those sent)."""
@@ -38,7 +40,7 @@ class Ring:
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         if self.rank < 0:
-            raise ValueError("flare.distributed: this process is not a member of the given group")
+            raise FlareArgumentError("flare.distributed: this process is not a member of the given group")
         self.backend = str(dist.get_backend(self.group))
         self._next = dist.get_global_rank(self.group, (self.rank + 1) % self.world_size)
         self._prev = dist.get_global_rank(self.group, (self.rank - 1) % self.world_size)

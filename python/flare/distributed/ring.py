@@ -15,6 +15,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .._capi import FlareArgumentError
 from .blocks import AttnOptions
 from .comm import Ring
 from .layout import DenseGeometry, VarlenGeometry, chunk_count
@@ -101,38 +102,38 @@ def _check_tensors(q: Tensor, k: Tensor, v: Tensor, rank: int, ring: Ring, what:
         if not isinstance(t, Tensor):
             raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != rank:
-            raise ValueError(f"{what}: {name} has {t.dim()} dimensions, expected {rank}")
+            raise FlareArgumentError(f"{what}: {name} has {t.dim()} dimensions, expected {rank}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"{what}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise FlareArgumentError(f"{what}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dtype not in _DTYPES:
-        raise ValueError(f"{what}: dtype {q.dtype} is not supported (float16, bfloat16, float32, float64)")
+        raise FlareArgumentError(f"{what}: dtype {q.dtype} is not supported (float16, bfloat16, float32, float64)")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"{what}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+        raise FlareArgumentError(f"{what}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if ring.backend == "nccl" and q.device.type != "cuda":
-        raise ValueError(f"{what}: the group's backend is NCCL, which moves CUDA tensors; q is on {q.device}")
+        raise FlareArgumentError(f"{what}: the group's backend is NCCL, which moves CUDA tensors; q is on {q.device}")
     if q.shape[-2] % k.shape[-2] != 0 or k.shape[-2] != v.shape[-2]:
-        raise ValueError(f"{what}: q has {q.shape[-2]} heads, k {k.shape[-2]}, v {v.shape[-2]}: k and v need "
+        raise FlareArgumentError(f"{what}: q has {q.shape[-2]} heads, k {k.shape[-2]}, v {v.shape[-2]}: k and v need "
                          "the same head count, and q's must be a multiple of it (GQA/MQA)")
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"{what}: q has headdim {q.shape[-1]} but k has {k.shape[-1]}")
+        raise FlareArgumentError(f"{what}: q has headdim {q.shape[-1]} but k has {k.shape[-1]}")
 
 
 def _options(what, q, causal, softmax_scale, window_size, softcap, alibi_slopes, deterministic, batch):
     try:
         left, right = (int(w) for w in window_size)
     except (TypeError, ValueError):
-        raise ValueError(f"{what}: window_size must be a pair of ints, got {window_size!r}") from None
+        raise FlareArgumentError(f"{what}: window_size must be a pair of ints, got {window_size!r}") from None
     if left < -1 or right < -1:
-        raise ValueError(f"{what}: window_size={window_size!r}: each side is -1 (unbounded) or >= 0")
+        raise FlareArgumentError(f"{what}: window_size={window_size!r}: each side is -1 (unbounded) or >= 0")
     if softcap < 0 or not math.isfinite(softcap):
-        raise ValueError(f"{what}: softcap={softcap} must be finite and >= 0 (0: off)")
+        raise FlareArgumentError(f"{what}: softcap={softcap} must be finite and >= 0 (0: off)")
     if alibi_slopes is not None:
         nheads = q.shape[-2]
         if alibi_slopes.shape not in ((nheads,), (batch, nheads)):
-            raise ValueError(f"{what}: alibi_slopes has shape {tuple(alibi_slopes.shape)}, expected ({nheads},) "
+            raise FlareArgumentError(f"{what}: alibi_slopes has shape {tuple(alibi_slopes.shape)}, expected ({nheads},) "
                              f"or ({batch}, {nheads})")
         if alibi_slopes.device != q.device:
-            raise ValueError(f"{what}: alibi_slopes is on {alibi_slopes.device}, q on {q.device}")
+            raise FlareArgumentError(f"{what}: alibi_slopes is on {alibi_slopes.device}, q on {q.device}")
     scale = 0.0 if softmax_scale is None else float(softmax_scale)
     return AttnOptions(softmax_scale=scale, window_left=left, window_right=0 if causal else right,
                        softcap=float(softcap), deterministic=bool(deterministic), alibi=alibi_slopes is not None)
@@ -163,12 +164,12 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = F
     ring = Ring(group)
     _check_tensors(q, k, v, 4, ring, what)
     if k.shape[:2] != q.shape[:2] or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"{what}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: ring attention "
+        raise FlareArgumentError(f"{what}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: ring attention "
                          "splits one sequence, so q, k and v need the same batch and local seqlen")
     local_len = q.shape[1]
     per_rank = 2 if zigzag else 1
     if local_len % per_rank != 0:
-        raise ValueError(f"{what}: local seqlen {local_len} is odd, but with zigzag=True each rank holds 2 "
+        raise FlareArgumentError(f"{what}: local seqlen {local_len} is odd, but with zigzag=True each rank holds 2 "
                          f"chunks of the global sequence (cut into {chunk_count(ring.world_size, True)}); "
                          "shard it with shard_sequence")
     opts = _options(what, q, causal, softmax_scale, window_size, softcap, alibi_slopes, deterministic, q.shape[0])
@@ -179,13 +180,13 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group=None, causal: bool = F
 
 def _seqlens(cu_seqlens: Tensor, name: str, total: int, what: str):
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(f"{what}: {name} must be a 1-D tensor of batch + 1 offsets")
+        raise FlareArgumentError(f"{what}: {name} must be a 1-D tensor of batch + 1 offsets")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{what}: {name} has dtype {cu_seqlens.dtype}, expected torch.int32")
+        raise FlareArgumentError(f"{what}: {name} has dtype {cu_seqlens.dtype}, expected torch.int32")
     cu = cu_seqlens.tolist()
     lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     if cu[0] != 0 or any(n < 0 for n in lens) or cu[-1] != total:
-        raise ValueError(f"{what}: {name} = {cu} must start at 0, not decrease, and end at the token count "
+        raise FlareArgumentError(f"{what}: {name} = {cu} must start at 0, not decrease, and end at the token count "
                          f"{total}")
     return lens
 
@@ -213,21 +214,21 @@ def ring_attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     ring = Ring(group)
     _check_tensors(q, k, v, 3, ring, what)
     if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
-        raise ValueError(f"{what}: q has {q.shape[0]} tokens, k {k.shape[0]}, v {v.shape[0]}: ring attention "
+        raise FlareArgumentError(f"{what}: q has {q.shape[0]} tokens, k {k.shape[0]}, v {v.shape[0]}: ring attention "
                          "is self-attention over sharded sequences, so they must be equal")
     lens = _seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], what)
     if _seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], what) != lens:
-        raise ValueError(f"{what}: cu_seqlens_k differs from cu_seqlens_q: ring attention is self-attention, "
+        raise FlareArgumentError(f"{what}: cu_seqlens_k differs from cu_seqlens_q: ring attention is self-attention, "
                          "the keys are the queries' own tokens")
     longest = max(lens, default=0)
     for name, bound in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if bound and int(bound) < longest:
-            raise ValueError(f"{what}: {name}={bound} is below the longest local sequence ({longest})")
+            raise FlareArgumentError(f"{what}: {name}={bound} is below the longest local sequence ({longest})")
     if zigzag:
         odd = [(b, n) for b, n in enumerate(lens) if n % 2]
         if odd:
             b, n = odd[0]
-            raise ValueError(f"{what}: sequence {b} has local length {n}, which is odd: with zigzag=True each "
+            raise FlareArgumentError(f"{what}: sequence {b} has local length {n}, which is odd: with zigzag=True each "
                              f"rank holds 2 chunks of every sequence (global lengths divisible by "
                              f"{chunk_count(ring.world_size, True)}); shard with shard_varlen")
     opts = _options(what, q, causal, softmax_scale, window_size, softcap, alibi_slopes, deterministic, len(lens))

@@ -14,6 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from .._capi import FlareArgumentError
 from .layout import chunk_count, chunk_ids, segments_index
 
 
@@ -21,19 +22,19 @@ def _world(world_size: Optional[int], rank: Optional[int], group) -> Tuple[int, 
     if world_size is None or rank is None:
         import torch.distributed as dist
         if world_size is not None or rank is not None:
-            raise ValueError("give both world_size and rank, or neither (then they come from the group)")
+            raise FlareArgumentError("give both world_size and rank, or neither (then they come from the group)")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: pass world_size and rank")
         world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+        raise FlareArgumentError(f"rank {rank} is not in a world of size {world_size}")
     return int(world_size), int(rank)
 
 
 def _divisible(n: int, parts: int, what: str, zigzag: bool, world_size: int):
     if n % parts:
         how = f"2 * world_size = {parts} chunks (zigzag)" if zigzag else f"world_size = {parts} chunks"
-        raise ValueError(f"{what} has length {n}, which does not split into {how}: pad it to a multiple of "
+        raise FlareArgumentError(f"{what} has length {n}, which does not split into {how}: pad it to a multiple of "
                          f"{parts} (world_size {world_size})")
 
 
@@ -54,14 +55,14 @@ def unshard_sequence(shards: Sequence[Tensor], *, zigzag: bool = True, seq_dim: 
     """The whole sequence from every rank's shard (shards[r] from rank r): the inverse of shard_sequence."""
     world_size = len(shards)
     if world_size == 0:
-        raise ValueError("unshard_sequence needs the shards of every rank, got none")
+        raise FlareArgumentError("unshard_sequence needs the shards of every rank, got none")
     lengths = {s.shape[seq_dim] for s in shards}
     if len(lengths) != 1:
-        raise ValueError(f"shards have different lengths along dim {seq_dim}: {sorted(lengths)}")
+        raise FlareArgumentError(f"shards have different lengths along dim {seq_dim}: {sorted(lengths)}")
     per_rank = 2 if zigzag else 1
     (local,) = lengths
     if local % per_rank:
-        raise ValueError(f"shard length {local} is odd: a zigzag shard holds 2 equal chunks")
+        raise FlareArgumentError(f"shard length {local} is odd: a zigzag shard holds 2 equal chunks")
     c = local // per_rank
     chunks: List[Optional[Tensor]] = [None] * chunk_count(world_size, zigzag)
     for rank, shard in enumerate(shards):
@@ -91,10 +92,10 @@ def local_positions(seqlen: int, world_size: Optional[int] = None, rank: Optiona
 
 def _cu_list(cu_seqlens: Tensor) -> List[int]:
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError("cu_seqlens must be a 1-D tensor of batch + 1 offsets")
+        raise FlareArgumentError("cu_seqlens must be a 1-D tensor of batch + 1 offsets")
     cu = [int(x) for x in cu_seqlens.tolist()]
     if cu[0] != 0 or any(b < a for a, b in zip(cu[:-1], cu[1:])):
-        raise ValueError(f"cu_seqlens = {cu} must start at 0 and not decrease")
+        raise FlareArgumentError(f"cu_seqlens = {cu} must start at 0 and not decrease")
     return cu
 
 
@@ -132,14 +133,14 @@ def unshard_varlen(shards: Sequence[Tensor], cu_seqlens: Tensor, *, zigzag: bool
     the inverse of shard_varlen."""
     world_size = len(shards)
     if world_size == 0:
-        raise ValueError("unshard_varlen needs the shards of every rank, got none")
+        raise FlareArgumentError("unshard_varlen needs the shards of every rank, got none")
     total = _cu_list(cu_seqlens)[-1]
     first = shards[0]
     out = first.new_empty((total, *first.shape[1:]))
     for rank, shard in enumerate(shards):
         index = varlen_shard_index(cu_seqlens, world_size, rank, zigzag=zigzag).to(first.device)
         if shard.shape[0] != index.numel():
-            raise ValueError(f"shard {rank} has {shard.shape[0]} tokens, expected {index.numel()}")
+            raise FlareArgumentError(f"shard {rank} has {shard.shape[0]} tokens, expected {index.numel()}")
         out.index_copy_(0, index, shard)
     return out
 

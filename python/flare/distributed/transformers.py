@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .._capi import FlareArgumentError
 from .ring import ring_attention, ring_attention_varlen
 from .sharding import local_positions, local_positions_varlen, shard_sequence, shard_varlen
 
@@ -60,7 +61,7 @@ def make_attention_function(group=None, zigzag: bool = True):
         if cu_q is None:
             return ring_attention(q, k, v, **options), None
         if q.shape[0] != 1:
-            raise ValueError(f"flare_ring: packed sequences come as one row (batch 1), got batch {q.shape[0]}")
+            raise FlareArgumentError(f"flare_ring: packed sequences come as one row (batch 1), got batch {q.shape[0]}")
         cu_k = cu_q if cu_k is None else cu_k
         out = ring_attention_varlen(q[0], k[0], v[0], cu_q, cu_k, kwargs.get("max_length_q") or 0,
                                     kwargs.get("max_length_k") or 0, **options)
@@ -112,7 +113,7 @@ def shard_packed_inputs(input_ids: Tensor, cu_seqlens: Tensor, labels: Optional[
     (positions inside each sequence), cu_seq_lens_q/k and max_length_q/k (local), and shift_labels when
     labels are given."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"packed input_ids must be one row (1, total), got {tuple(input_ids.shape)}")
+        raise FlareArgumentError(f"packed input_ids must be one row (1, total), got {tuple(input_ids.shape)}")
     where = dict(world_size=world_size, rank=rank, group=group, zigzag=zigzag)
     ids, cu_local, max_local = shard_varlen(input_ids[0], cu_seqlens, **where)
     positions = local_positions_varlen(cu_seqlens, **where).to(input_ids.device)
