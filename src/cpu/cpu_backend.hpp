@@ -21,6 +21,12 @@ flare_status kvcache(const detail::Problem& p);
 size_t kvcache_extra_scratch(const detail::Problem& p);
 detail::Problem kvcache_prepare(const detail::Problem& p, char* scratch, int nt);
 
+// The most threads a call may ask for (exec.num_threads): the larger of kMaxThreadsFloor and the processor
+// count, and never past OpenMP's thread limit. Far more threads than processors only cost memory (scratch
+// and a stack per thread), and a team libgomp cannot create ends the process instead of failing the call.
+inline constexpr int kMaxThreadsFloor = 1024;
+int max_threads();
+
 // Scratch bytes the pass allocates for this problem (what *_workspace_size reports).
 size_t workspace_size(const detail::Problem& p);
 

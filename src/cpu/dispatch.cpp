@@ -88,9 +88,11 @@ int thread_count(const Problem& p) {
   const double keys = static_cast<double>(p.pass == detail::Pass::kKvCache ? p.seqlen_cache : p.seqlen_k);
   const double flops = 2.0 * pass_factor * static_cast<double>(p.batch) * static_cast<double>(p.nheads) *
                        static_cast<double>(p.seqlen_q) * keys * static_cast<double>(p.headdim + p.headdim_v);
-  const int by_work = static_cast<int>(flops / kFlopsPerThread);
   const int most = omp_get_max_threads();
-  return by_work < 1 ? 1 : by_work < most ? by_work : most;
+  // Compared in double: past 2^31 threads' worth of work the count would not fit an int.
+  const double by_work = flops / kFlopsPerThread;
+  if (!(by_work < most)) return most;
+  return by_work < 1 ? 1 : static_cast<int>(by_work);
 }
 
 // Runs pass with scratch of `bytes`: the caller's workspace when given (validated to be large enough),
@@ -112,6 +114,13 @@ flare_status with_scratch(const Problem& p, size_t bytes, Run run) {
 }  // namespace
 
 const char* isa_name() { return kernels().name; }
+
+int max_threads() {
+  const int procs = omp_get_num_procs();
+  const int most = procs > kMaxThreadsFloor ? procs : kMaxThreadsFloor;
+  const int limit = omp_get_thread_limit();
+  return limit < most ? limit : most;
+}
 
 size_t workspace_size(const Problem& p) {
   const int nt = thread_count(p);
