@@ -5,8 +5,9 @@
 // groups.hpp decides. A tile keeps its output accumulator, running max m and running sum l; per key block:
 //   S = Q K^T (scaled Q)  ->  softcap / ALiBi / mask  ->  m' = max(m, rowmax S), P = exp(S - m'),
 //   l = l * exp(m - m') + rowsum P,  O = O * exp(m - m') + P V.
-// At the end O / l is written and lse = m + log l. Scratch is O(seqlen_k * headdim) per group plus O(tile)
-// per thread: no seqlen_q x seqlen_k buffer exists. Rows that see no key get out = 0 and lse = -inf.
+// At the end O / l is written and lse = m + log l. Scratch is a pack of the longest sequence's keys
+// (longest_sequence) per thread or per team (groups.hpp) plus O(tile) per thread: no seqlen_q x seqlen_k
+// buffer exists, and a KV cache's unused capacity costs nothing. Rows that see no key get out = 0 and lse = -inf.
 #pragma once
 
 #include <cmath>
@@ -33,10 +34,6 @@ struct ForwardTiles {
   static constexpr int64_t kTilesPerVisit = 2;
 };
 
-inline int64_t max_keys(const Problem& p) {
-  return p.pass == Pass::kKvCache ? p.seqlen_cache : p.seqlen_k;
-}
-
 template <class T>
 struct ForwardScratch {
   int64_t dp = 0, dvp = 0;  // head dims padded to the vector width
@@ -56,7 +53,7 @@ struct ForwardScratch {
     constexpr int W = Simd<T>::W;
     dp = round_up(p.headdim, W);
     dvp = round_up(p.headdim_v, W);
-    const int64_t keys = round_up(max_keys(p), Tiles::kBk);
+    const int64_t keys = round_up(longest_sequence(p).keys, Tiles::kBk);
     const int packs = use_private_groups(p, nt) ? nt : 1;
     threads = a.take<PerThread>(nt);
     for (int t = 0; t < nt; ++t) {

@@ -33,7 +33,7 @@ struct AmxForward {
       dvpad = round_up(pr.headdim_v, 32);
       nchunks = dpad / 32;
       ncol16 = dvpad / 16;
-      const int64_t nkb = (max_keys(pr) + kBk - 1) / kBk;
+      const int64_t nkb = (longest_sequence(pr).keys + kBk - 1) / kBk;
       const int packs = use_private_groups(pr, nt) ? nt : 1;
       threads = a.take<PerThread>(nt);
       for (int t = 0; t < nt; ++t) {

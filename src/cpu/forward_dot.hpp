@@ -40,7 +40,7 @@ struct DotForward {
       dvpad = round_up(pr.headdim_v, 16);
       ldk = padded_ld<uint32_t>(kBk);
       ldv = padded_ld<uint32_t>(dvpad);
-      const int64_t nkb = (max_keys(pr) + kBk - 1) / kBk;
+      const int64_t nkb = (longest_sequence(pr).keys + kBk - 1) / kBk;
       const int packs = use_private_groups(pr, nt) ? nt : 1;
       threads = a.take<PerThread>(nt);
       for (int t = 0; t < nt; ++t) {

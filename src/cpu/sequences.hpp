@@ -90,6 +90,23 @@ inline int64_t stride_bytes(int64_t stride, int64_t es) {
   return __builtin_mul_overflow(stride, es, &bytes) ? 0 : bytes;
 }
 
+// The most queries and keys any one sequence of the call has: what per-sequence scratch is sized by. Not the
+// problem's seqlen_q / seqlen_k, which are bounds (a KV cache's capacity, varlen's max_seqlen) that can far
+// exceed what a call uses. O(batch), reading the index tensors (on the CPU, validated).
+struct Lengths {
+  int64_t queries = 0, keys = 0;
+};
+inline Lengths longest_sequence(const Problem& p) {
+  if (p.pass != Pass::kKvCache && !p.varlen) return {p.seqlen_q, p.seqlen_k};
+  Lengths most;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const Sequence s = sequence_of(p, b);
+    most.queries = smax(most.queries, s.seqlen_q);
+    most.keys = smax(most.keys, s.seqlen_k);
+  }
+  return most;
+}
+
 // Rows of a query-side operand (q, out, dout, dq): dense by batch, varlen by token.
 inline RowPtr query_rows(const Problem& p, const Operand& op, const Sequence& s, int64_t h) {
   const int64_t es = dtype_size(p.dtype);
