@@ -17,6 +17,7 @@
 #include "cpu/score_tile.hpp"
 #include "cpu/sequences.hpp"
 #include "cpu/tile_gemm.hpp"
+#include "cpu/unseen_values.hpp"
 
 namespace flare::cpu::FLARE_ISA {
 
@@ -42,6 +43,7 @@ struct ForwardScratch {
     // both in the B-panel layout of the products that read them (PanelsB, tile_gemm.hpp).
     T* kt;
     T* v;
+    uint8_t* v_flags;  // per key of the pack: its V row holds a NaN or infinity (unseen_values.hpp)
     // Per tile of a visit (kTilesPerVisit x): Q, output accumulator, running max and sum; shared by them:
     // the scores and probabilities of the tile being worked on.
     T *q, *s, *p, *o, *m, *l;
@@ -59,9 +61,11 @@ struct ForwardScratch {
     for (int t = 0; t < nt; ++t) {
       T* kt = t < packs ? a.take<T>(keys * p.headdim) : threads ? threads[0].kt : nullptr;
       T* v = t < packs ? a.take<T>(keys * dvp) : threads ? threads[0].v : nullptr;
+      uint8_t* v_flags = t < packs ? a.take<uint8_t>(keys) : threads ? threads[0].v_flags : nullptr;
       constexpr int64_t rows = Tiles::kBq * Tiles::kTilesPerVisit;
       PerThread pt{kt,
                    v,
+                   v_flags,
                    a.take<T>(rows * dp),
                    a.take<T>(Tiles::kBq * Tiles::kBk),
                    a.take<T>(Tiles::kBq * Tiles::kBk),
@@ -130,6 +134,7 @@ inline void pack_key_block(const Problem& p, const RowPtr& krows, const RowPtr& 
     const int64_t ld = direct ? krows.row_bytes / static_cast<int64_t>(sizeof(T)) : dp;
     transpose_rows<T>(src, ld, d, panel + panel_offset(0, jj0, d, Bk, w), panel_width(jj0, Bk, w));
   }
+  screen_value_block(p, vrows, seqlen_k, kb * Bk, Bk, vblock, dtype_of<T>(), Bk * dvp, t.v_flags + kb * Bk);
 }
 
 // Online softmax over one block of a row. The row's scores are scale * s[c] (scale > 0, so the max can be
@@ -283,6 +288,7 @@ inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int6
         gemm_tile_panels<T, false>(Bq, dvp, cols, t.p, Bk, value_panels<T>(ws, t, kb), tl.o, dvp);
         tl.started = true;
       }
+      add_seen_nonfinite_values<T>(p, seq, h, t.v_flags + j0, j0, cols, tl.i0, rows, tl.o, dvp);
     }
   }
 
