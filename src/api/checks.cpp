@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cpu/cpu_backend.hpp"
+
 namespace flare::detail {
 
 void reject(std::string message) { throw InvalidInput{FLARE_INVALID_ARGUMENT, std::move(message)}; }
@@ -89,9 +91,10 @@ void check_tensor(const flare_tensor& t, const char* name) {
                  " spans more than 2^63 elements: offsets must fit in int64"));
     }
   }
-  int64_t bytes = 0;
-  if (__builtin_mul_overflow(span + 1, static_cast<int64_t>(dtype_size(t.dtype)), &bytes)) {
-    reject(cat(name, " spans ", span + 1, " elements of ", dtype_name(t.dtype),
+  int64_t elements = 0, bytes = 0;
+  if (__builtin_add_overflow(span, 1, &elements) ||
+      __builtin_mul_overflow(elements, static_cast<int64_t>(dtype_size(t.dtype)), &bytes)) {
+    reject(cat(name, " with shape ", shape_string(t), " spans ", span, " + 1 elements of ", dtype_name(t.dtype),
                ": its byte size must fit in int64"));
   }
   if (t.data == nullptr) {
@@ -300,6 +303,11 @@ ScoreParams check_attn_options(const flare_attn_options& attn, const flare_tenso
 void check_exec_options(const flare_exec_options& exec, const flare_device& device, Problem* problem) {
   if (exec.num_threads < 0) {
     reject(cat("exec.num_threads is ", exec.num_threads, ": it must be 0 (OpenMP's default) or > 0"));
+  }
+  if (device.type == FLARE_DEVICE_CPU && exec.num_threads > cpu::max_threads()) {
+    reject(cat("exec.num_threads is ", exec.num_threads, " but the CPU backend runs at most ", cpu::max_threads(),
+               " threads here (the larger of ", cpu::kMaxThreadsFloor,
+               " and the processor count, capped by OpenMP's thread limit, OMP_THREAD_LIMIT)"));
   }
   problem->num_threads = exec.num_threads;
   problem->workspace = exec.workspace;

@@ -75,8 +75,7 @@ flare_status report_workspace(const Problem& problem, size_t* bytes) {
     return fail(FLARE_UNSUPPORTED, kNoCuda);
 #endif
   }
-  *bytes = cpu::workspace_size(problem);
-  return FLARE_OK;
+  return cpu::workspace_size(problem, bytes);
 }
 
 flare_status check_bytes_and_varlen(size_t* bytes, int32_t varlen) {

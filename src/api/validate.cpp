@@ -306,7 +306,8 @@ flare_status validate_bwd(const flare_bwd_params* params, bool varlen, Problem* 
 
 flare_status validate_workspace(const Problem& problem) {
   if (problem.workspace == nullptr || problem.device.type != FLARE_DEVICE_CPU) return FLARE_OK;
-  const size_t needed = cpu::workspace_size(problem);
+  size_t needed = 0;
+  if (flare_status s = cpu::workspace_size(problem, &needed); s != FLARE_OK) return s;
   if (problem.workspace_size < needed) {
     return fail(FLARE_OUT_OF_MEMORY,
                 cat("exec.workspace_size is ", problem.workspace_size, " bytes but this call needs ", needed,

@@ -188,10 +188,35 @@ CacheShape check_kvcache_tensors(const flare_kvcache_params& f, Problem* p) {
   return c;
 }
 
+// The cache slots (block, row) sequence b appends into, one run of rows per block it touches.
+struct AppendedRows {
+  int64_t block, first_row, last_row;  // rows first_row..last_row of block
+  int64_t b, column;                   // sequence b, block_table column
+};
+
+// Paged appends: no two appended keys may share a cache slot (two sequences, or one whose block_table names
+// a block twice, would race on it and then read one value for both). `appends` holds every run of rows.
+void check_appended_slots_distinct(std::vector<AppendedRows>& appends) {
+  std::sort(appends.begin(), appends.end(), [](const AppendedRows& x, const AppendedRows& y) {
+    return x.block != y.block ? x.block < y.block : x.first_row < y.first_row;
+  });
+  for (size_t i = 1; i < appends.size(); ++i) {
+    const AppendedRows& x = appends[i - 1];
+    const AppendedRows& y = appends[i];
+    if (x.block == y.block && y.first_row <= x.last_row) {
+      reject(cat("block_table[", x.b, "][", x.column, "] and block_table[", y.b, "][", y.column, "] both name block ",
+                 x.block, ", and sequences ", x.b, " and ", y.b, " append k_new into its rows ", x.first_row, "..",
+                 x.last_row, " and ", y.first_row, "..", y.last_row,
+                 ": each appended key needs a cache slot of its own"));
+    }
+  }
+}
+
 // The index tensors' contents (CPU only): every sequence's cache length, left padding, cache row and
 // blocks are in range, the appended keys fit, and the rotary table covers every position used.
 void check_kvcache_indices(const flare_kvcache_params& f, const CacheShape& c, const Problem& p) {
   std::vector<int64_t> rows_used;  // cache_batch_idx values, to catch two sequences appending to one row
+  std::vector<AppendedRows> appends;  // paged: the slots appended into, to catch two appends to one slot
   const bool windowed = p.score.window_left >= 0 || p.score.window_right >= 0;
   for (int64_t b = 0; b < c.batch; ++b) {
     int64_t cache_len = c.seqlen_cache;
@@ -233,6 +258,10 @@ void check_kvcache_indices(const flare_kvcache_params& f, const CacheShape& c, c
                      " blocks: the blocks of keys ", leftpad, "..", key_end - 1,
                      " must be in 0..num_blocks-1"));
         }
+        // The appended keys' positions cache_len..key_end-1 within this block, if any.
+        const int64_t first = std::max(cache_len, j * c.block_size);
+        const int64_t last = std::min(key_end, (j + 1) * c.block_size) - 1;
+        if (first <= last) appends.push_back({block, first - j * c.block_size, last - j * c.block_size, b, j});
       }
     }
     if (p.rotary_dim > 0) {
@@ -248,6 +277,7 @@ void check_kvcache_indices(const flare_kvcache_params& f, const CacheShape& c, c
     }
   }
   if (c.seqlen_new > 0) {
+    check_appended_slots_distinct(appends);
     std::sort(rows_used.begin(), rows_used.end());
     const auto twice = std::adjacent_find(rows_used.begin(), rows_used.end());
     if (twice != rows_used.end()) {

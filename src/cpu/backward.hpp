@@ -52,7 +52,8 @@ struct BackwardScratch {
     dvp = round_up(p.headdim_v, W);
     ld = padded_ld<T>(p.headdim);
     ldv = padded_ld<T>(p.headdim_v);
-    const int64_t nk = round_up(p.seqlen_k, Tiles::kBk), nq = round_up(p.seqlen_q, Tiles::kBq);
+    const Lengths most = longest_sequence(p);
+    const int64_t nk = round_up(most.keys, Tiles::kBk), nq = round_up(most.queries, Tiles::kBq);
     const int packs = use_private_groups(p, nt) ? nt : 1;
     Pack* pack = a.take<Pack>(packs);
     for (int i = 0; i < packs; ++i) {

@@ -41,8 +41,9 @@ struct AmxBackward {
     void layout(Arena& a, const Problem& pr, int nt) {
       dpad = round_up(pr.headdim, 32);
       dvpad = round_up(pr.headdim_v, 32);
-      nk = round_up(pr.seqlen_k, kBk);
-      nq = round_up(pr.seqlen_q, kBq);
+      const Lengths most = longest_sequence(pr);
+      nk = round_up(most.keys, kBk);
+      nq = round_up(most.queries, kBq);
       const int packs = use_private_groups(pr, nt) ? nt : 1;
       Pack* pack = a.take<Pack>(packs);
       for (int i = 0; i < packs; ++i) {

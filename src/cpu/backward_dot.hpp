@@ -59,8 +59,9 @@ struct DotBackward {
       ldd = padded_ld<uint32_t>(dpad);
       lddv = padded_ld<uint32_t>(dvpad);
       ldt = padded_ld<uint32_t>(kBq);
-      nk = round_up(pr.seqlen_k, kBk);
-      nq = round_up(pr.seqlen_q, kBq);
+      const Lengths most = longest_sequence(pr);
+      nk = round_up(most.keys, kBk);
+      nq = round_up(most.queries, kBq);
       const int64_t nqt = nq / kBq;
       const int packs = use_private_groups(pr, nt) ? nt : 1;
       Pack* pack = a.take<Pack>(packs);

@@ -18,11 +18,19 @@ flare_status kvcache(const detail::Problem& p);
 // KV cache helpers (kvcache.cpp): scratch beyond the forward pass's, and the step before attending —
 // appends k_new/v_new into the cache (rotated if asked) and returns the problem to attend with (q replaced by
 // its rotated copy in scratch when rotary is asked), on nt threads.
+// kvcache_extra_scratch is SIZE_MAX when the size does not fit in size_t.
 size_t kvcache_extra_scratch(const detail::Problem& p);
 detail::Problem kvcache_prepare(const detail::Problem& p, char* scratch, int nt);
 
-// Scratch bytes the pass allocates for this problem (what *_workspace_size reports).
-size_t workspace_size(const detail::Problem& p);
+// The most threads a call may ask for (exec.num_threads): the larger of kMaxThreadsFloor and the processor
+// count, and never past OpenMP's thread limit. Far more threads than processors only cost memory (scratch
+// and a stack per thread), and a team libgomp cannot create ends the process instead of failing the call.
+inline constexpr int kMaxThreadsFloor = 1024;
+int max_threads();
+
+// Scratch bytes the pass allocates for this problem (what *_workspace_size reports, and what a caller's
+// workspace must hold), or FLARE_OUT_OF_MEMORY with the figures when that size does not fit in size_t.
+flare_status workspace_size(const detail::Problem& p, size_t* bytes);
 
 // "amx", "avx512bf16", "avx512", "avx2" or "generic": the SIMD level in use (see flare_cpu_isa in flare.h).
 const char* isa_name();

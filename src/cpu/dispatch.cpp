@@ -88,15 +88,44 @@ int thread_count(const Problem& p) {
   const double keys = static_cast<double>(p.pass == detail::Pass::kKvCache ? p.seqlen_cache : p.seqlen_k);
   const double flops = 2.0 * pass_factor * static_cast<double>(p.batch) * static_cast<double>(p.nheads) *
                        static_cast<double>(p.seqlen_q) * keys * static_cast<double>(p.headdim + p.headdim_v);
-  const int by_work = static_cast<int>(flops / kFlopsPerThread);
   const int most = omp_get_max_threads();
-  return by_work < 1 ? 1 : by_work < most ? by_work : most;
+  // Compared in double: past 2^31 threads' worth of work the count would not fit an int.
+  const double by_work = flops / kFlopsPerThread;
+  if (!(by_work < most)) return most;
+  return by_work < 1 ? 1 : static_cast<int>(by_work);
+}
+
+// The pass's scratch bytes on nt threads; SIZE_MAX when they do not fit in size_t.
+size_t scratch_size(const Problem& p, int nt) {
+  switch (p.pass) {
+    case detail::Pass::kBackward: return kernels().backward_scratch(p, nt);
+    case detail::Pass::kKvCache: {
+      size_t total = 0;
+      if (__builtin_add_overflow(kernels().forward_scratch(p, nt), kvcache_extra_scratch(p), &total)) return SIZE_MAX;
+      return total;
+    }
+    default: return kernels().forward_scratch(p, nt);
+  }
+}
+
+// The scratch size, or FLARE_OUT_OF_MEMORY (with the figures) when it does not fit in size_t: no machine
+// could provide it, and the layout's pointers would wrap around.
+flare_status checked_scratch_size(const Problem& p, int nt, size_t* bytes) {
+  *bytes = scratch_size(p, nt);
+  if (*bytes != SIZE_MAX) return FLARE_OK;
+  return detail::fail(FLARE_OUT_OF_MEMORY,
+                      detail::cat("the CPU scratch of this call exceeds 2^64 bytes (", nt, " threads, batch ", p.batch,
+                                  ", seqlen_q ", p.seqlen_q, ", seqlen_k up to ", p.seqlen_k, ", ", p.nheads,
+                                  " heads, head dims ", p.headdim, "/", p.headdim_v,
+                                  "): use fewer threads or smaller inputs"));
 }
 
 // Runs pass with scratch of `bytes`: the caller's workspace when given (validated to be large enough),
 // else one allocation; fails with OUT_OF_MEMORY before anything is written.
 template <class Run>
-flare_status with_scratch(const Problem& p, size_t bytes, Run run) {
+flare_status with_scratch(const Problem& p, int nt, Run run) {
+  size_t bytes = 0;
+  if (flare_status s = checked_scratch_size(p, nt, &bytes); s != FLARE_OK) return s;
   if (p.workspace != nullptr) {
     run(p.workspace);
     return FLARE_OK;
@@ -113,28 +142,28 @@ flare_status with_scratch(const Problem& p, size_t bytes, Run run) {
 
 const char* isa_name() { return kernels().name; }
 
-size_t workspace_size(const Problem& p) {
-  const int nt = thread_count(p);
-  switch (p.pass) {
-    case detail::Pass::kBackward: return kernels().backward_scratch(p, nt);
-    case detail::Pass::kKvCache: return kernels().forward_scratch(p, nt) + kvcache_extra_scratch(p);
-    default: return kernels().forward_scratch(p, nt);
-  }
+int max_threads() {
+  const int procs = omp_get_num_procs();
+  const int most = procs > kMaxThreadsFloor ? procs : kMaxThreadsFloor;
+  const int limit = omp_get_thread_limit();
+  return limit < most ? limit : most;
 }
+
+flare_status workspace_size(const Problem& p, size_t* bytes) { return checked_scratch_size(p, thread_count(p), bytes); }
 
 flare_status forward(const Problem& p) {
   const int nt = thread_count(p);
-  return with_scratch(p, kernels().forward_scratch(p, nt), [&](void* s) { kernels().forward(p, s, nt); });
+  return with_scratch(p, nt, [&](void* s) { kernels().forward(p, s, nt); });
 }
 
 flare_status backward(const Problem& p) {
   const int nt = thread_count(p);
-  return with_scratch(p, kernels().backward_scratch(p, nt), [&](void* s) { kernels().backward(p, s, nt); });
+  return with_scratch(p, nt, [&](void* s) { kernels().backward(p, s, nt); });
 }
 
 flare_status kvcache(const Problem& p) {
   const int nt = thread_count(p);
-  return with_scratch(p, workspace_size(p), [&](void* s) {
+  return with_scratch(p, nt, [&](void* s) {
     char* base = static_cast<char*>(s);
     const Problem attend = kvcache_prepare(p, base + kernels().forward_scratch(p, nt), nt);
     kernels().forward(attend, base, nt);

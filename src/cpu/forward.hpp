@@ -5,8 +5,9 @@
 // groups.hpp decides. A tile keeps its output accumulator, running max m and running sum l; per key block:
 //   S = Q K^T (scaled Q)  ->  softcap / ALiBi / mask  ->  m' = max(m, rowmax S), P = exp(S - m'),
 //   l = l * exp(m - m') + rowsum P,  O = O * exp(m - m') + P V.
-// At the end O / l is written and lse = m + log l. Scratch is O(seqlen_k * headdim) per group plus O(tile)
-// per thread: no seqlen_q x seqlen_k buffer exists. Rows that see no key get out = 0 and lse = -inf.
+// At the end O / l is written and lse = m + log l. Scratch is a pack of the longest sequence's keys
+// (longest_sequence) per thread or per team (groups.hpp) plus O(tile) per thread: no seqlen_q x seqlen_k
+// buffer exists, and a KV cache's unused capacity costs nothing. Rows that see no key get out = 0 and lse = -inf.
 #pragma once
 
 #include <cmath>
@@ -16,6 +17,7 @@
 #include "cpu/score_tile.hpp"
 #include "cpu/sequences.hpp"
 #include "cpu/tile_gemm.hpp"
+#include "cpu/unseen_values.hpp"
 
 namespace flare::cpu::FLARE_ISA {
 
@@ -33,10 +35,6 @@ struct ForwardTiles {
   static constexpr int64_t kTilesPerVisit = 2;
 };
 
-inline int64_t max_keys(const Problem& p) {
-  return p.pass == Pass::kKvCache ? p.seqlen_cache : p.seqlen_k;
-}
-
 template <class T>
 struct ForwardScratch {
   int64_t dp = 0, dvp = 0;  // head dims padded to the vector width
@@ -45,6 +43,7 @@ struct ForwardScratch {
     // both in the B-panel layout of the products that read them (PanelsB, tile_gemm.hpp).
     T* kt;
     T* v;
+    uint8_t* v_flags;  // per key of the pack: its V row holds a NaN or infinity (unseen_values.hpp)
     // Per tile of a visit (kTilesPerVisit x): Q, output accumulator, running max and sum; shared by them:
     // the scores and probabilities of the tile being worked on.
     T *q, *s, *p, *o, *m, *l;
@@ -56,15 +55,17 @@ struct ForwardScratch {
     constexpr int W = Simd<T>::W;
     dp = round_up(p.headdim, W);
     dvp = round_up(p.headdim_v, W);
-    const int64_t keys = round_up(max_keys(p), Tiles::kBk);
+    const int64_t keys = round_up(longest_sequence(p).keys, Tiles::kBk);
     const int packs = use_private_groups(p, nt) ? nt : 1;
     threads = a.take<PerThread>(nt);
     for (int t = 0; t < nt; ++t) {
       T* kt = t < packs ? a.take<T>(keys * p.headdim) : threads ? threads[0].kt : nullptr;
       T* v = t < packs ? a.take<T>(keys * dvp) : threads ? threads[0].v : nullptr;
+      uint8_t* v_flags = t < packs ? a.take<uint8_t>(keys) : threads ? threads[0].v_flags : nullptr;
       constexpr int64_t rows = Tiles::kBq * Tiles::kTilesPerVisit;
       PerThread pt{kt,
                    v,
+                   v_flags,
                    a.take<T>(rows * dp),
                    a.take<T>(Tiles::kBq * Tiles::kBk),
                    a.take<T>(Tiles::kBq * Tiles::kBk),
@@ -133,6 +134,7 @@ inline void pack_key_block(const Problem& p, const RowPtr& krows, const RowPtr& 
     const int64_t ld = direct ? krows.row_bytes / static_cast<int64_t>(sizeof(T)) : dp;
     transpose_rows<T>(src, ld, d, panel + panel_offset(0, jj0, d, Bk, w), panel_width(jj0, Bk, w));
   }
+  screen_value_block(p, vrows, seqlen_k, kb * Bk, Bk, vblock, dtype_of<T>(), Bk * dvp, t.v_flags + kb * Bk);
 }
 
 // Online softmax over one block of a row. The row's scores are scale * s[c] (scale > 0, so the max can be
@@ -286,6 +288,7 @@ inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int6
         gemm_tile_panels<T, false>(Bq, dvp, cols, t.p, Bk, value_panels<T>(ws, t, kb), tl.o, dvp);
         tl.started = true;
       }
+      add_seen_nonfinite_values<T>(p, seq, h, t.v_flags + j0, j0, cols, tl.i0, rows, tl.o, dvp);
     }
   }
 

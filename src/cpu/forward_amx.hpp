@@ -19,6 +19,7 @@ struct AmxForward {
     struct PerThread {
       uint16_t* kpack;  // the key pack in use: per key block (kBk / 16) n-groups x nchunks tiles of K
       uint16_t* vpack;  // and ncol16 n-groups x (kBk / 32) chunks of V
+      uint8_t* v_flags;  // per key of the pack: its V row holds a NaN or infinity (unseen_values.hpp)
       uint16_t* q;
       float* s;
       uint16_t* p;
@@ -33,7 +34,7 @@ struct AmxForward {
       dvpad = round_up(pr.headdim_v, 32);
       nchunks = dpad / 32;
       ncol16 = dvpad / 16;
-      const int64_t nkb = (max_keys(pr) + kBk - 1) / kBk;
+      const int64_t nkb = (longest_sequence(pr).keys + kBk - 1) / kBk;
       const int packs = use_private_groups(pr, nt) ? nt : 1;
       threads = a.take<PerThread>(nt);
       for (int t = 0; t < nt; ++t) {
@@ -41,7 +42,8 @@ struct AmxForward {
                                  : threads ? threads[0].kpack : nullptr;
         uint16_t* vp = t < packs ? a.take<uint16_t>(nkb * (kBk / 32) * ncol16 * kTileElems)
                                  : threads ? threads[0].vpack : nullptr;
-        PerThread pt{kp, vp, a.take<uint16_t>(kBq * dpad), a.take<float>(kBq * kBk), a.take<uint16_t>(kBq * kBk),
+        uint8_t* vf = t < packs ? a.take<uint8_t>(nkb * kBk) : threads ? threads[0].v_flags : nullptr;
+        PerThread pt{kp, vp, vf, a.take<uint16_t>(kBq * dpad), a.take<float>(kBq * kBk), a.take<uint16_t>(kBq * kBk),
                      a.take<float>(kBq * dvpad), a.take<float>(kBq), a.take<float>(kBq)};
         if (threads) threads[t] = pt;
       }
@@ -69,6 +71,8 @@ struct AmxForward {
     };
     pack_b_k_along_rows(kblock, ws.nchunks, 0, kBk, d, key_row(krows, d * 2));
     pack_b_n_along_rows(vblock, kBk / 32, 0, kBk, dv, ws.dvpad, key_row(vrows, dv * 2));
+    screen_value_block(p, vrows, seqlen_k, kb * kBk, kBk, vblock, FLARE_DTYPE_BF16,
+                       (kBk / 32) * ws.ncol16 * kTileElems, t.v_flags + kb * kBk);
   }
 
   static void tile(const Problem& p, const Sequence& seq, int64_t h, int64_t i0, const Scratch& ws, int tid) {
@@ -121,6 +125,7 @@ struct AmxForward {
         if (alpha != 1.0f) scale_row<float>(t.o + r * dvpad, dvpad, alpha);
       }
       amx_gemm<true>(row_blocks * 32, dvpad, cols, t.p, kBk, vblock, kBk / 32, 0, 0, t.o, dvpad);  // O += P V
+      add_seen_nonfinite_values<float>(p, seq, h, t.v_flags + j0, j0, cols, i0, rows, t.o, dvpad);
     }
     finish_rows<float>(p, t.o, dvpad, t.m, t.l, rows, query_rows(p, p.out, seq, h), lse_row(p, seq, h), i0);
   }

@@ -26,6 +26,7 @@ struct DotForward {
     struct PerThread {
       uint32_t* kpack;  // the key pack in use: per key block dpairs pair rows of kBk keys (ldk apart)
       uint32_t* vpack;  // and kBk / 2 pair rows of dvpad columns (ldv apart)
+      uint8_t* v_flags;  // per key of the pack: its V row holds a NaN or infinity (unseen_values.hpp)
       uint32_t* q;      // Q tile: kBq rows of dpairs words
       float* s;         // scores, kBq x kBk
       uint16_t* p;      // probabilities in bf16, kBq x kBk
@@ -40,13 +41,14 @@ struct DotForward {
       dvpad = round_up(pr.headdim_v, 16);
       ldk = padded_ld<uint32_t>(kBk);
       ldv = padded_ld<uint32_t>(dvpad);
-      const int64_t nkb = (max_keys(pr) + kBk - 1) / kBk;
+      const int64_t nkb = (longest_sequence(pr).keys + kBk - 1) / kBk;
       const int packs = use_private_groups(pr, nt) ? nt : 1;
       threads = a.take<PerThread>(nt);
       for (int t = 0; t < nt; ++t) {
         uint32_t* kp = t < packs ? a.take<uint32_t>(nkb * dpairs * ldk) : threads ? threads[0].kpack : nullptr;
         uint32_t* vp = t < packs ? a.take<uint32_t>(nkb * (kBk / 2) * ldv) : threads ? threads[0].vpack : nullptr;
-        PerThread pt{kp, vp, a.take<uint32_t>(kBq * dpairs), a.take<float>(kBq * kBk), a.take<uint16_t>(kBq * kBk),
+        uint8_t* vf = t < packs ? a.take<uint8_t>(nkb * kBk) : threads ? threads[0].v_flags : nullptr;
+        PerThread pt{kp, vp, vf, a.take<uint32_t>(kBq * dpairs), a.take<float>(kBq * kBk), a.take<uint16_t>(kBq * kBk),
                      a.take<float>(kBq * dvpad), a.take<float>(kBq), a.take<float>(kBq)};
         if (threads) threads[t] = pt;
       }
@@ -71,8 +73,10 @@ struct DotForward {
     };
     pack_pairs_along_rows(t.kpack + kb * ws.dpairs * ws.ldk, ws.ldk, kBk, p.headdim, ws.dpairs,
                           key_row(krows, p.headdim * 2));
-    pack_pairs_across_rows(t.vpack + kb * (kBk / 2) * ws.ldv, ws.ldv, kBk, p.headdim_v, ws.dvpad,
-                           key_row(vrows, p.headdim_v * 2));
+    uint32_t* vblock = t.vpack + kb * (kBk / 2) * ws.ldv;
+    pack_pairs_across_rows(vblock, ws.ldv, kBk, p.headdim_v, ws.dvpad, key_row(vrows, p.headdim_v * 2));
+    screen_value_block(p, vrows, seqlen_k, kb * kBk, kBk, vblock, FLARE_DTYPE_BF16, kBk * ws.ldv,
+                       t.v_flags + kb * kBk);  // kBk / 2 pair rows of ldv words: kBk * ldv bf16 values
   }
 
   // One query tile [i0, i0 + kBq) of head h against every visible key block.
@@ -116,6 +120,7 @@ struct DotForward {
       }
       dot_gemm<true>(rows, dvpad, cols / 2, reinterpret_cast<const uint32_t*>(t.p), kBk / 2,
                      t.vpack + kb * (kBk / 2) * ws.ldv, ws.ldv, t.o, dvpad);  // O += P V
+      add_seen_nonfinite_values<float>(p, seq, h, t.v_flags + j0, j0, cols, i0, rows, t.o, dvpad);
     }
     finish_rows<float>(p, t.o, dvpad, t.m, t.l, rows, query_rows(p, p.out, seq, h), lse_row(p, seq, h), i0);
   }

@@ -13,12 +13,25 @@
 
 namespace flare::cpu::FLARE_ISA {
 
+// Private packs of all threads together take at most this much scratch: past it the team shares one pack.
+// A pack holds a group's keys (the backward's also its queries), so private packs cost nt times the keys a
+// call uses; shared, a long KV cache or sequence costs its keys once (a 1-query decode over 131072 keys at
+// head dim 128 takes one 128 MiB fp32 pack, not one per thread).
+inline constexpr int64_t kPrivatePacksBudget = int64_t{128} << 20;
+
 // Whether each thread takes whole groups: when there are enough of them to keep every thread busy — many
-// groups, or, where every sequence has the same lengths (dense batches), a multiple of the team.
+// groups, or, where every sequence has the same lengths (dense batches), a multiple of the team — and the
+// packs of all threads stay within kPrivatePacksBudget.
 inline bool use_private_groups(const Problem& p, int nt) {
+  if (nt == 1) return true;
   const int64_t groups = p.batch * p.nheads_k;
   const bool equal_groups = !p.varlen && p.pass != Pass::kKvCache;
-  return nt == 1 || groups >= 4 * nt || (equal_groups && groups % nt == 0);
+  if (groups < 4 * nt && !(equal_groups && groups % nt == 0)) return false;
+  const Lengths most = longest_sequence(p);
+  const int64_t rows = most.keys + (p.pass == Pass::kBackward ? most.queries : 0);
+  const int64_t element = p.dtype == FLARE_DTYPE_F64 ? 8 : 4;  // the compute type, at most
+  // rows < 2^32, head dims <= 256, nt <= a few thousand: no overflow.
+  return rows * (p.headdim + p.headdim_v) * element * nt <= kPrivatePacksBudget;
 }
 
 // Bytes of scratch an engine lays out for this problem (measured by laying it out on a null base).

@@ -41,7 +41,12 @@ int64_t cached_len(const Problem& p, int64_t b) { return p.cache_seqlens ? p.cac
 
 size_t kvcache_extra_scratch(const Problem& p) {
   if (p.rotary_dim == 0) return 0;
-  return static_cast<size_t>(p.batch * p.seqlen_q * p.nheads * p.headdim * dtype_size(p.dtype)) + 64;
+  // The rotated q, (batch, seqlen_q, nheads, headdim) in q's dtype, + alignment slack. q may be a broadcast
+  // (stride 0) view of far fewer elements, so the product is checked.
+  size_t bytes = dtype_size(p.dtype);
+  for (const int64_t n : {p.batch, p.seqlen_q, p.nheads, p.headdim})
+    if (__builtin_mul_overflow(bytes, static_cast<size_t>(n), &bytes)) return SIZE_MAX;
+  return bytes > SIZE_MAX - 64 ? SIZE_MAX : bytes + 64;
 }
 
 Problem kvcache_prepare(const Problem& p, char* scratch, int nt) {

@@ -82,12 +82,37 @@ inline Sequence sequence_of(const Problem& p, int64_t b) {
   return s;
 }
 
+// Bytes between consecutive indices of a dimension with this stride. Validation bounds (extent - 1) * stride
+// times the element size, so only a dimension of extent 1 (never stepped along) can have a stride whose byte
+// size does not fit in int64; its step is then left at 0 instead of overflowing.
+inline int64_t stride_bytes(int64_t stride, int64_t es) {
+  int64_t bytes = 0;
+  return __builtin_mul_overflow(stride, es, &bytes) ? 0 : bytes;
+}
+
+// The most queries and keys any one sequence of the call has: what per-sequence scratch is sized by. Not the
+// problem's seqlen_q / seqlen_k, which are bounds (a KV cache's capacity, varlen's max_seqlen) that can far
+// exceed what a call uses. O(batch), reading the index tensors (on the CPU, validated).
+struct Lengths {
+  int64_t queries = 0, keys = 0;
+};
+inline Lengths longest_sequence(const Problem& p) {
+  if (p.pass != Pass::kKvCache && !p.varlen) return {p.seqlen_q, p.seqlen_k};
+  Lengths most;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const Sequence s = sequence_of(p, b);
+    most.queries = smax(most.queries, s.seqlen_q);
+    most.keys = smax(most.keys, s.seqlen_k);
+  }
+  return most;
+}
+
 // Rows of a query-side operand (q, out, dout, dq): dense by batch, varlen by token.
 inline RowPtr query_rows(const Problem& p, const Operand& op, const Sequence& s, int64_t h) {
   const int64_t es = dtype_size(p.dtype);
   RowPtr r;
   r.base = static_cast<char*>(op.data) + (s.b * op.batch_stride + s.q_token * op.row_stride + h * op.head_stride) * es;
-  r.row_bytes = op.row_stride * es;
+  r.row_bytes = stride_bytes(op.row_stride, es);
   return r;
 }
 
@@ -95,7 +120,7 @@ inline RowPtr query_rows(const Problem& p, const Operand& op, const Sequence& s,
 inline RowPtr key_rows(const Problem& p, const Operand& op, const Sequence& s, int64_t hk) {
   const int64_t es = dtype_size(p.dtype);
   RowPtr r;
-  r.row_bytes = op.row_stride * es;
+  r.row_bytes = stride_bytes(op.row_stride, es);
   char* data = static_cast<char*>(op.data);
   if (p.pass == Pass::kKvCache) {
     r.offset = s.leftpad;
@@ -103,7 +128,7 @@ inline RowPtr key_rows(const Problem& p, const Operand& op, const Sequence& s, i
       r.base = data + hk * op.head_stride * es;
       r.blocks = p.block_table + s.b * p.block_table_stride;
       r.block_size = p.block_size;
-      r.block_bytes = op.batch_stride * es;
+      r.block_bytes = stride_bytes(op.batch_stride, es);
     } else {
       r.base = data + (s.cache_row * op.batch_stride + hk * op.head_stride) * es;
     }

@@ -3,6 +3,7 @@
 // is in test_bad_input_kvcache.cpp. Each test starts from a valid case (bad_input_cases.hpp) and breaks
 // one rule.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 #include <cstddef>
@@ -10,6 +11,7 @@
 #include <string>
 
 #include "bad_input_cases.hpp"
+#include "cpu/cpu_backend.hpp"
 
 namespace flare::badinput {
 namespace {
@@ -613,6 +615,28 @@ TEST(BadInput, ExecAndFlagValues) {
   });
 }
 
+TEST(BadInput, NumThreadsAboveLimit) {
+  const int most = flare::cpu::max_threads();
+  ASSERT_GE(most, flare::cpu::kMaxThreadsFloor < omp_get_thread_limit() ? flare::cpu::kMaxThreadsFloor
+                                                                         : omp_get_thread_limit());
+  for (int32_t threads : {most + 1, 2000 > most ? 2000 : most + 7, std::numeric_limits<int32_t>::max()}) {
+    for_fwd_entries([&](FwdCase& c, auto call) {
+      c.params.exec.num_threads = threads;
+      const std::string value = "exec.num_threads is " + std::to_string(threads);
+      expect_rejected(c, call, kInvalid, {value.c_str(), "at most", "OMP_THREAD_LIMIT"});
+      size_t bytes = 0;
+      expect_status(flare_fwd_workspace_size(&c.params, c.varlen, &bytes), kInvalid, value.c_str());
+    });
+    for_bwd_entries([&](BwdCase& c, auto call) {
+      c.params.exec.num_threads = threads;
+      expect_rejected(c, call, kInvalid, {"exec.num_threads", "at most"});
+    });
+  }
+  FwdCase c;  // the limit itself is fine (a few threads more than this machine has cores are too)
+  c.params.exec.num_threads = 3;
+  EXPECT_EQ(c.run(), FLARE_OK) << flare_last_error();
+}
+
 TEST(BadInput, Int32Overflow) {
   const int64_t too_big = int64_t{1} << 32;
   {  // a dense sequence length: q broadcast over 2^32 positions (stride 0), so its span stays small
@@ -663,6 +687,20 @@ TEST(BadInput, SpanOverflowsInt64) {
   for_fwd_entries([](FwdCase& c, auto call) {
     c.params.k.strides[0] = std::numeric_limits<int64_t>::max();
     expect_rejected(c, call, kInvalid, {"k with shape", "int64"});
+  });
+}
+
+// A span of exactly INT64_MAX elements fits int64, but one element more (its count) does not.
+TEST(BadInput, SpanOfInt64MaxElements) {
+  for_fwd_entries([](FwdCase& c, auto call) {
+    flare_tensor& k = c.params.k;
+    int64_t rest = 0;  // the span of every dim but the first
+    for (int d = 1; d < k.rank; ++d) rest += (k.shape[d] - 1) * k.strides[d];
+    k.shape[0] = 2;
+    k.strides[0] = std::numeric_limits<int64_t>::max() - rest;
+    expect_rejected(c, call, kInvalid, {"k with shape", "9223372036854775807 + 1 elements", "int64"});
+    EXPECT_EQ(std::string(flare_last_error()).find("-9223372036854775808"), std::string::npos)
+        << flare_last_error();
   });
 }
 

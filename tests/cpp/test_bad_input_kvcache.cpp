@@ -255,6 +255,39 @@ TEST(BadInputKvCache, BlockTableEntries) {
   }
 }
 
+// Sequence 0 appends keys 5, 6 into block_table[0][1] rows 1, 2; sequence 1 appends keys 9, 10 into
+// block_table[1][2] rows 1, 2 (KvCase's paged layout).
+TEST(BadInputKvCache, PagedAppendsShareASlot) {
+  {
+    KvCase c(true);
+    c.block_table.i32()[5] = c.block_table.i32()[1];  // both append into block 0, rows 1..2
+    expect_rejected(c, call_kvcache, kInvalid,
+                    {"block_table[0][1] and block_table[1][2] both name block 0", "rows 1..2", "slot of its own"});
+  }
+  {
+    KvCase c(true);  // runs that overlap in one row
+    c.cache_seqlens.i32()[1] = 8;  // sequence 1 appends keys 8, 9: block_table[1][2] rows 0, 1
+    c.block_table.i32()[5] = c.block_table.i32()[1];
+    expect_rejected(c, call_kvcache, kInvalid, {"both name block 0", "rows 0..1", "1..2"});
+  }
+  {
+    KvCase c(true);  // rows 3 and 0..1 of one block: no slot shared, so sharing the block is fine
+    c.cache_seqlens.i32()[0] = 2;  // sequence 0 appends keys 2, 3: block_table[0][0] rows 2, 3
+    c.cache_seqlens.i32()[1] = 8;  // sequence 1 appends keys 8, 9: block_table[1][2] rows 0, 1
+    c.block_table.i32()[5] = c.block_table.i32()[0];
+    EXPECT_EQ(c.run(), FLARE_OK) << flare_last_error();
+  }
+  {
+    KvCase c(true);  // a block both read (a shared prefix) without appending into it twice is fine
+    c.block_table.i32()[3] = c.block_table.i32()[0];
+    EXPECT_EQ(c.run(), FLARE_OK) << flare_last_error();
+    c.params.k_new = flare_tensor{};  // nothing appended: any sharing is fine
+    c.params.v_new = flare_tensor{};
+    c.block_table.i32()[5] = c.block_table.i32()[1];
+    EXPECT_EQ(c.run(), FLARE_OK) << flare_last_error();
+  }
+}
+
 TEST(BadInputKvCache, CacheBatchIdx) {
   {
     KvCase c;

@@ -1,0 +1,90 @@
+// unseen_values.hpp — keeps NaN and infinity in V away from the rows that cannot see their key.
+//
+// O += P V multiplies a whole block of keys for every row of a tile; a masked key has P = 0, but 0 x NaN is
+// NaN, so one non-finite value at a causal- or window-masked key would reach every row sharing its block.
+// (Keys past a sequence's end — beyond cache_seqlens, varlen padding, a page's unused slots — are never
+// read: packs zero-fill them.) So each packed block of V is screened once: the keys whose row holds a NaN
+// or infinity are flagged and those values become 0 in the pack, and after a block's O += P V each row adds
+// back the non-finite values of the flagged keys it sees. A visible NaN or infinity reaches its row as
+// IEEE arithmetic would carry it; nothing reaches a row that cannot see it. Finite values (all of them, in
+// practice) cost one scan of the packed block, and the per-row step runs only for flagged blocks.
+#pragma once
+
+#include <cmath>
+#include <cstring>
+
+#include "cpu/sequences.hpp"
+
+namespace flare::cpu::FLARE_ISA {
+
+// The exponent field of one element (dtype's storage), and whether it is all ones (NaN or infinity).
+template <class Bits, Bits kExponent>
+inline bool any_exponent_all_ones(const void* x, int64_t n) {
+  const auto* bits = static_cast<const Bits*>(x);
+  bool any = false;
+  for (int64_t i = 0; i < n; ++i) any |= (bits[i] & kExponent) == kExponent;  // vectorised: no early exit
+  return any;
+}
+inline bool any_nonfinite(const void* x, flare_dtype dtype, int64_t n) {
+  switch (dtype) {
+    case FLARE_DTYPE_F64: return any_exponent_all_ones<uint64_t, 0x7ff0000000000000ull>(x, n);
+    case FLARE_DTYPE_F32: return any_exponent_all_ones<uint32_t, 0x7f800000u>(x, n);
+    case FLARE_DTYPE_F16: return any_exponent_all_ones<uint16_t, 0x7c00>(x, n);
+    case FLARE_DTYPE_BF16: return any_exponent_all_ones<uint16_t, 0x7f80>(x, n);
+    default: return false;
+  }
+}
+template <class Bits, Bits kExponent>
+inline void zero_exponent_all_ones(void* x, int64_t n) {
+  auto* bits = static_cast<Bits*>(x);
+  for (int64_t i = 0; i < n; ++i)
+    if ((bits[i] & kExponent) == kExponent) bits[i] = 0;
+}
+inline void zero_nonfinite(void* x, flare_dtype dtype, int64_t n) {
+  switch (dtype) {
+    case FLARE_DTYPE_F64: return zero_exponent_all_ones<uint64_t, 0x7ff0000000000000ull>(x, n);
+    case FLARE_DTYPE_F32: return zero_exponent_all_ones<uint32_t, 0x7f800000u>(x, n);
+    case FLARE_DTYPE_F16: return zero_exponent_all_ones<uint16_t, 0x7c00>(x, n);
+    case FLARE_DTYPE_BF16: return zero_exponent_all_ones<uint16_t, 0x7f80>(x, n);
+    default: return;
+  }
+}
+
+// Screens the packed values of keys [j0, j0 + nkeys) (only those below seqlen_k were read): `packed` holds
+// `count` elements of `packed_dtype` in the engine's layout. flags[jj] is set for key j0 + jj when its V
+// row holds a NaN or infinity, and those values are zeroed in the pack.
+inline void screen_value_block(const Problem& p, const RowPtr& vrows, int64_t seqlen_k, int64_t j0, int64_t nkeys,
+                               void* packed, flare_dtype packed_dtype, int64_t count, uint8_t* flags) {
+  std::memset(flags, 0, nkeys);
+  if (!any_nonfinite(packed, packed_dtype, count)) return;
+  for (int64_t jj = 0; jj < nkeys && j0 + jj < seqlen_k; ++jj)
+    flags[jj] = any_nonfinite(vrows.row(j0 + jj), p.dtype, p.headdim_v);
+  zero_nonfinite(packed, packed_dtype, count);
+}
+
+// After a block's O += P V (keys [j0, j0 + cols), flags as screen_value_block left them) for rows
+// [i0, i0 + rows) of head h: each row adds the non-finite values of the flagged keys it sees to its
+// accumulator o (row r at o + r * ldo).
+template <class Acc>
+inline void add_seen_nonfinite_values(const Problem& p, const Sequence& seq, int64_t h, const uint8_t* flags,
+                                      int64_t j0, int64_t cols, int64_t i0, int64_t rows, Acc* o, int64_t ldo) {
+  bool any = false;
+  for (int64_t c = 0; c < cols; ++c) any |= flags[c] != 0;
+  if (!any) return;
+  const RowPtr vrows = key_rows(p, p.v, seq, h / (p.nheads / p.nheads_k));
+  const policy::WindowMask mask = seq.mask(p);
+  double v[256];  // head dims are at most 256
+  for (int64_t r = 0; r < rows; ++r) {
+    const policy::KeyRange keys = mask.keys_of(i0 + r);
+    const int64_t first = smax(smax<int64_t>(keys.first, 0), j0);
+    const int64_t last = smin(smin<int64_t>(keys.last, seq.seqlen_k - 1), j0 + cols - 1);
+    for (int64_t j = first; j <= last; ++j) {
+      if (!flags[j - j0]) continue;
+      load_row<double>(vrows.row(j), p.dtype, v, p.headdim_v, 1.0);
+      for (int64_t c = 0; c < p.headdim_v; ++c)
+        if (!std::isfinite(v[c])) o[r * ldo + c] += static_cast<Acc>(v[c]);
+    }
+  }
+}
+
+}  // namespace flare::cpu::FLARE_ISA

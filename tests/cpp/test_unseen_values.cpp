@@ -1,0 +1,240 @@
+// test_unseen_values.cpp — NaN and infinity in K or V at a key a row cannot see never reach that row's
+// output: causal- and window-masked keys (which share key blocks with rows that see them), slots beyond
+// cache_seqlens, varlen padding past seqused_k, and unused slots and blocks of a paged cache. Serving caches
+// are allocated uninitialised, so this is correctness, not tidiness. Each output row is checked against
+// the fp64 reference: rows that see a non-finite value must be non-finite, every other row must match.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "bad_input_cases.hpp"
+#include "cpu/reference.hpp"
+
+namespace flare::badinput {
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+double get(Tensor& t, int64_t i) {
+  if (t.view.dtype == FLARE_DTYPE_BF16) return flare::bf16::from_bits(reinterpret_cast<uint16_t*>(t.bytes())[i]).to_float();
+  return t.f32()[i];
+}
+void put(Tensor& t, int64_t i, double x) {
+  if (t.view.dtype == FLARE_DTYPE_BF16) {
+    reinterpret_cast<uint16_t*>(t.bytes())[i] = flare::bf16(static_cast<float>(x)).bits;
+  } else {
+    t.f32()[i] = static_cast<float>(x);
+  }
+}
+// Sets row `row` (all heads and dims) of a (rows, heads, dim)-contiguous tensor to x.
+void fill_row(Tensor& t, int64_t row, int64_t width, double x) {
+  for (int64_t c = 0; c < width; ++c) put(t, row * width + c, x);
+}
+
+using Value = std::function<double(int64_t, int64_t, int64_t)>;  // (position, head, dim)
+
+// Compares out rows [0, seqlen_q) of one sequence (element (i, h, c) at out_at(i, h, c)) with the fp64
+// reference over keys 0..seqlen_k-1 given by k/v.
+void expect_matches_reference(const reference::Dims& dims, const reference::Options& opts, int64_t seqlen_q,
+                              int64_t seqlen_k, const Value& q, const Value& k, const Value& v, const Value& out,
+                              double tol) {
+  reference::Sequence seq;
+  seq.seqlen_q = seqlen_q;
+  seq.seqlen_k = seqlen_k;
+  for (int64_t i = 0; i < seqlen_q; ++i)
+    for (int64_t h = 0; h < dims.nheads; ++h)
+      for (int64_t c = 0; c < dims.headdim; ++c) seq.q.push_back(q(i, h, c));
+  for (int64_t j = 0; j < seqlen_k; ++j) {
+    for (int64_t h = 0; h < dims.nheads_k; ++h)
+      for (int64_t c = 0; c < dims.headdim; ++c) seq.k.push_back(k(j, h, c));
+    for (int64_t h = 0; h < dims.nheads_k; ++h)
+      for (int64_t c = 0; c < dims.headdim_v; ++c) seq.v.push_back(v(j, h, c));
+  }
+  const reference::ForwardResult ref = reference::forward(dims, opts, seq);
+  int64_t finite_rows = 0, poisoned_rows = 0;
+  for (int64_t i = 0; i < seqlen_q; ++i) {
+    for (int64_t h = 0; h < dims.nheads; ++h) {
+      bool row_finite = true;
+      for (int64_t c = 0; c < dims.headdim_v; ++c) row_finite &= std::isfinite(ref.out[(i * dims.nheads + h) * dims.headdim_v + c]);
+      (row_finite ? finite_rows : poisoned_rows) += 1;
+      for (int64_t c = 0; c < dims.headdim_v; ++c) {
+        const double want = ref.out[(i * dims.nheads + h) * dims.headdim_v + c], got = out(i, h, c);
+        if (std::isfinite(want)) {
+          ASSERT_NEAR(got, want, tol) << "query " << i << " head " << h << " dim " << c;
+        } else if (!row_finite) {
+          ASSERT_FALSE(std::isfinite(got)) << "query " << i << " head " << h << " sees a non-finite value";
+        }
+      }
+    }
+  }
+  EXPECT_GT(finite_rows, 0);
+}
+
+constexpr flare_dtype kDtypes[] = {FLARE_DTYPE_F32, FLARE_DTYPE_BF16};
+double tolerance(flare_dtype dtype) { return dtype == FLARE_DTYPE_F32 ? 2e-5 : 2e-2; }
+
+// Dense forward, one sequence of 300 queries and keys (two key blocks of every engine), 2 query heads on one
+// kv head: key `bad` holds `v_value` in V and `k_value` in K.
+void dense_case(flare_dtype dtype, int32_t causal, int32_t window_left, int64_t bad, double v_value, double k_value) {
+  SCOPED_TRACE(std::string(dtype == FLARE_DTYPE_F32 ? "f32" : "bf16") + " causal " + std::to_string(causal) +
+               " window_left " + std::to_string(window_left) + " bad key " + std::to_string(bad));
+  const int64_t n = 300, heads = 2, dim = 32;
+  Tensor q(dtype, {1, n, heads, dim}, 1), k(dtype, {1, n, 1, dim}, 2), v(dtype, {1, n, 1, dim}, 3),
+      out(dtype, {1, n, heads, dim}, 4);
+  fill_row(v, bad, dim, v_value);
+  fill_row(k, bad, dim, k_value);
+  flare_fwd_params p;
+  flare_fwd_params_init(&p);
+  p.q = q.view;
+  p.k = k.view;
+  p.v = v.view;
+  p.out = out.view;
+  p.attn.causal = causal;
+  p.attn.window_left = window_left;
+  ASSERT_EQ(flare_fwd(&p), FLARE_OK) << flare_last_error();
+  reference::Options opts;
+  opts.causal = causal;
+  opts.window_left = window_left;
+  expect_matches_reference(
+      {heads, 1, dim, dim}, opts, n, n, [&](int64_t i, int64_t h, int64_t c) { return get(q, (i * heads + h) * dim + c); },
+      [&](int64_t j, int64_t, int64_t c) { return get(k, j * dim + c); },
+      [&](int64_t j, int64_t, int64_t c) { return get(v, j * dim + c); },
+      [&](int64_t i, int64_t h, int64_t c) { return get(out, (i * heads + h) * dim + c); }, tolerance(dtype));
+}
+
+TEST(UnseenValues, CausalMaskedKeys) {
+  for (flare_dtype dtype : kDtypes) {
+    dense_case(dtype, 1, -1, 150, kNaN, kInf);    // rows 0..149 cannot see key 150
+    dense_case(dtype, 1, -1, 299, kInf, kNaN);    // only the last row sees it
+    dense_case(dtype, 1, -1, 40, -kInf, 1.0);
+  }
+}
+
+TEST(UnseenValues, WindowMaskedKeys) {
+  for (flare_dtype dtype : kDtypes) {
+    dense_case(dtype, 1, 16, 10, kNaN, kNaN);  // rows 27.. have slid past key 10
+    dense_case(dtype, 0, 7, 200, kInf, kInf);  // non-causal: rows 0..199 see it, 208.. do not
+  }
+}
+
+// A KV cache: sequences of `lengths` keys in a dense cache of 64 slots or a paged one of blocks of 16; every
+// slot past a sequence's keys (and every block it does not use) holds NaN in K and V. k_new appends 2 keys.
+// With window_left, key `bad` of every sequence holds NaN in V and infinity in K as well.
+void kvcache_case(flare_dtype dtype, bool paged, int64_t seqlen_q, int32_t window_left, int64_t bad) {
+  SCOPED_TRACE(std::string(dtype == FLARE_DTYPE_F32 ? "f32" : "bf16") + (paged ? " paged" : " dense") +
+               " seqlen_q " + std::to_string(seqlen_q) + " window_left " + std::to_string(window_left));
+  const int64_t batch = 2, heads = 4, heads_k = 2, dim = 16, slots = 64, block = 16, blocks = 10, fresh = 2;
+  const std::vector<int32_t> lengths{20, 37};
+  const std::vector<int32_t> table{7, 2, 9, 0, 4, 6, 1, 8};  // (batch, 4): blocks 3 and 5 unused
+  const int64_t rows = paged ? blocks : batch, cols = paged ? block : slots;
+  Tensor q(dtype, {batch, seqlen_q, heads, dim}, 5), kc(dtype, {rows, cols, heads_k, dim}, 6),
+      vc(dtype, {rows, cols, heads_k, dim}, 7), kn(dtype, {batch, fresh, heads_k, dim}, 8),
+      vn(dtype, {batch, fresh, heads_k, dim}, 9), out(dtype, {batch, seqlen_q, heads, dim}, 10);
+  Tensor seqlens = Tensor::ints(lengths), block_table = Tensor::ints(table, {batch, 4});
+  // The cache row of (sequence b, position j): dense b * slots + j, paged through the block table.
+  const auto slot = [&](int64_t b, int64_t j) { return paged ? table[b * 4 + j / block] * block + j % block : b * slots + j; };
+  std::vector<bool> used(rows * cols, false);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t j = 0; j < lengths[b]; ++j) used[slot(b, j)] = true;
+  for (int64_t s = 0; s < rows * cols; ++s) {
+    if (used[s]) continue;
+    fill_row(kc, s, heads_k * dim, kNaN);
+    fill_row(vc, s, heads_k * dim, kNaN);
+  }
+  if (window_left >= 0) {
+    for (int64_t b = 0; b < batch; ++b) {
+      fill_row(vc, slot(b, bad), heads_k * dim, kNaN);
+      fill_row(kc, slot(b, bad), heads_k * dim, kInf);
+    }
+  }
+  flare_kvcache_params p;
+  flare_kvcache_params_init(&p);
+  p.q = q.view;
+  p.k_cache = kc.view;
+  p.v_cache = vc.view;
+  p.k_new = kn.view;
+  p.v_new = vn.view;
+  p.out = out.view;
+  p.cache_seqlens = seqlens.view;
+  if (paged) p.block_table = block_table.view;
+  p.attn.causal = 1;
+  p.attn.window_left = window_left;
+  ASSERT_EQ(flare_fwd_kvcache(&p), FLARE_OK) << flare_last_error();
+  reference::Options opts;
+  opts.causal = true;
+  opts.window_left = window_left;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t keys = lengths[b] + fresh;  // the appended keys were copied into the cache
+    expect_matches_reference(
+        {heads, heads_k, dim, dim}, opts, seqlen_q, keys,
+        [&](int64_t i, int64_t h, int64_t c) { return get(q, ((b * seqlen_q + i) * heads + h) * dim + c); },
+        [&](int64_t j, int64_t h, int64_t c) { return get(kc, (slot(b, j) * heads_k + h) * dim + c); },
+        [&](int64_t j, int64_t h, int64_t c) { return get(vc, (slot(b, j) * heads_k + h) * dim + c); },
+        [&](int64_t i, int64_t h, int64_t c) { return get(out, ((b * seqlen_q + i) * heads + h) * dim + c); },
+        tolerance(dtype));
+  }
+}
+
+TEST(UnseenValues, KvCacheSlotsPastCacheSeqlens) {
+  for (flare_dtype dtype : kDtypes) {
+    kvcache_case(dtype, false, 3, -1, 0);
+    kvcache_case(dtype, true, 3, -1, 0);  // unused slots of the last page, and unused blocks
+  }
+}
+
+TEST(UnseenValues, KvCacheKeysOutsideTheWindow) {
+  for (flare_dtype dtype : kDtypes) {
+    for (bool paged : {false, true}) {
+      kvcache_case(dtype, paged, 1, 8, 5);  // a decode step: key 5 is far behind the window
+      kvcache_case(dtype, paged, 4, 8, 5);
+    }
+  }
+}
+
+// Varlen: keys past seqused_k (the rest of each sequence's cu_seqlens_k span) hold NaN in K and V.
+TEST(UnseenValues, VarlenPaddingPastSeqused) {
+  for (flare_dtype dtype : kDtypes) {
+    SCOPED_TRACE(dtype == FLARE_DTYPE_F32 ? "f32" : "bf16");
+    const int64_t heads = 2, dim = 24;
+    const std::vector<int32_t> cu_q{0, 40, 47}, cu_k{0, 50, 100}, used{30, 45};
+    Tensor q(dtype, {47, heads, dim}, 11), k(dtype, {100, 1, dim}, 12), v(dtype, {100, 1, dim}, 13),
+        out(dtype, {47, heads, dim}, 14);
+    Tensor cuq = Tensor::ints(cu_q), cuk = Tensor::ints(cu_k), seqused = Tensor::ints(used);
+    for (int64_t b = 0; b < 2; ++b) {
+      for (int64_t t = cu_k[b] + used[b]; t < cu_k[b + 1]; ++t) {
+        fill_row(k, t, dim, kNaN);
+        fill_row(v, t, dim, kNaN);
+      }
+    }
+    flare_fwd_params p;
+    flare_fwd_params_init(&p);
+    p.q = q.view;
+    p.k = k.view;
+    p.v = v.view;
+    p.out = out.view;
+    p.cu_seqlens_q = cuq.view;
+    p.cu_seqlens_k = cuk.view;
+    p.seqused_k = seqused.view;
+    p.attn.causal = 1;
+    ASSERT_EQ(flare_fwd_varlen(&p), FLARE_OK) << flare_last_error();
+    reference::Options opts;
+    opts.causal = true;
+    for (int64_t b = 0; b < 2; ++b) {
+      expect_matches_reference(
+          {heads, 1, dim, dim}, opts, cu_q[b + 1] - cu_q[b], used[b],
+          [&](int64_t i, int64_t h, int64_t c) { return get(q, ((cu_q[b] + i) * heads + h) * dim + c); },
+          [&](int64_t j, int64_t, int64_t c) { return get(k, (cu_k[b] + j) * dim + c); },
+          [&](int64_t j, int64_t, int64_t c) { return get(v, (cu_k[b] + j) * dim + c); },
+          [&](int64_t i, int64_t h, int64_t c) { return get(out, ((cu_q[b] + i) * heads + h) * dim + c); },
+          tolerance(dtype));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace flare::badinput
