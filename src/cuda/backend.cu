@@ -35,6 +35,10 @@ constexpr bool kAllSmemConfigs = true;
 constexpr bool kAllSmemConfigs = false;
 #endif
 constexpr BuiltKernels kBuilt{kSm80Tiles.span(), kSm90Dims.span(), kAllSmemConfigs};
+// The passes compiled (FLARE_CUDA_PASSES): code that names a pass's kernels sits under `if constexpr` on these,
+// so a build without that pass links.
+constexpr bool kHasForward = FLARE_HAS_PASS_FWD;
+constexpr bool kHasBackward = FLARE_HAS_PASS_BWD;
 
 // Switches to the tensors' device for the duration of a call and back.
 class DeviceGuard {
@@ -136,6 +140,11 @@ int sm90_smem_bytes(const Problem& p) {
 // shared-memory class, each checked against what this build holds and the device allows.
 flare_status plan_call(const Problem& p, Plan* plan) {
   if (flare_status s = check_operands(p); s != FLARE_OK) return s;
+  const bool bwd = p.pass == Pass::kBackward;
+  if (!(bwd ? kHasBackward : kHasForward)) {
+    return fail(FLARE_UNSUPPORTED, cat("this build has no CUDA ", bwd ? "backward" : "forward", " kernels (it was "
+                                       "configured with FLARE_CUDA_PASSES without ", bwd ? "bwd" : "fwd", ")"));
+  }
   Plan k;
   if (flare_status s = query_device(p.device.index, &k.dev); s != FLARE_OK) return s;
 
@@ -161,13 +170,20 @@ flare_status plan_call(const Problem& p, Plan* plan) {
                                        "(head-dim tiles built: ", head_dims_string(kBuilt.sm80_tiles),
                                        "; configure with FLARE_HEADDIMS to add tiles)"));
   }
-  const bool bwd = p.pass == Pass::kBackward;
   const Sm80SmemBytes bytes =
       sm80_dispatch(p.dtype, k.headdim, Sm80SmemBytes{}, [&]<flare_dtype D, int d>() {
-        return bwd ? Sm80SmemBytes{sm80::backward_smem_bytes<D, d>(SmemClass::kLarge),
-                                   sm80::backward_smem_bytes<D, d>(SmemClass::kSmall)}
-                   : Sm80SmemBytes{sm80::forward_smem_bytes<D, d>(SmemClass::kLarge),
-                                   sm80::forward_smem_bytes<D, d>(SmemClass::kSmall)};
+        Sm80SmemBytes b{};
+        if constexpr (kHasBackward) {
+          if (bwd) {
+            b = {sm80::backward_smem_bytes<D, d>(SmemClass::kLarge), sm80::backward_smem_bytes<D, d>(SmemClass::kSmall)};
+          }
+        }
+        if constexpr (kHasForward) {
+          if (!bwd) {
+            b = {sm80::forward_smem_bytes<D, d>(SmemClass::kLarge), sm80::forward_smem_bytes<D, d>(SmemClass::kSmall)};
+          }
+        }
+        return b;
       });
   const SmemChoice smem = sm80_smem_class(p.pass, k.headdim, bytes, k.dev, kBuilt.all_smem_configs);
   if (!smem.unsupported.empty()) return fail(FLARE_UNSUPPORTED, smem.unsupported);
@@ -211,8 +227,10 @@ void fill_attn(const Problem& p, AttnParams* a) {
 
 // The sm80 backward's workspace for a planned call.
 BwdLayout bwd_layout(const Problem& p, const Plan& k) {
-  const int block_n = sm80_dispatch(p.dtype, k.headdim, 1,
-                                    [&]<flare_dtype D, int d>() { return sm80::backward_block_n<D, d>(k.cls); });
+  const int block_n = sm80_dispatch(p.dtype, k.headdim, 1, [&]<flare_dtype D, int d>() {
+    if constexpr (kHasBackward) return sm80::backward_block_n<D, d>(k.cls);
+    return 1;  // unreachable: plan_call refuses a backward this build lacks
+  });
   return sm80_bwd_layout(p, k.headdim, block_n, k.dev.sm_count);
 }
 
@@ -233,8 +251,10 @@ flare_status forward(const Problem& p) {
                       [&]<flare_dtype D, int d>() { return sm90::run_forward<D, d>(a, stream); });
   } else {
     a.forward_rows = forced_forward_rows(std::getenv("FLARE_CUDA_FWD_ROWS"));
-    e = sm80_dispatch(p.dtype, k.headdim, e,
-                      [&]<flare_dtype D, int d>() { return sm80::run_forward<D, d>(a, stream, k.cls); });
+    e = sm80_dispatch(p.dtype, k.headdim, e, [&]<flare_dtype D, int d>() {
+      if constexpr (kHasForward) return sm80::run_forward<D, d>(a, stream, k.cls);
+      return cudaErrorInvalidValue;  // unreachable: plan_call refuses a forward this build lacks
+    });
   }
   if (e != cudaSuccess) return cuda_fail(e, cat("launching the ", arch_path_name(k.path), " forward kernel"));
   return FLARE_OK;
@@ -300,8 +320,10 @@ flare_status backward(const Problem& p) {
   b.dq_splits = l.splits;
   b.deterministic = p.deterministic;
 
-  cudaError_t e = sm80_dispatch(p.dtype, k.headdim, cudaErrorInvalidValue,
-                                [&]<flare_dtype D, int d>() { return sm80::run_backward<D, d>(b, stream, k.cls); });
+  cudaError_t e = sm80_dispatch(p.dtype, k.headdim, cudaErrorInvalidValue, [&]<flare_dtype D, int d>() {
+    if constexpr (kHasBackward) return sm80::run_backward<D, d>(b, stream, k.cls);
+    return cudaErrorInvalidValue;  // unreachable: plan_call refuses a backward this build lacks
+  });
   if (owned) {
     const cudaError_t f = cudaFreeAsync(ws, stream);
     if (e == cudaSuccess) e = f;
