@@ -8,9 +8,9 @@
 #   3. the Python tests (pytest over tests/python: torch ops, flash_attn API, transformers, ring attention over
 #      gloo), with the pinned tests/python/requirements.txt installed by scripts/python-env.sh where missing
 #   4. where nvcc is installed: the CUDA sources compiled (one head-dim tile of each pass, sm_80), so a
-#      compile error cannot land; one sm90 forward unit compiled for sm_90a and its machine code checked, the
-#      sm90 layouts checked on the CPU (scripts/check-sm90.sh); where a GPU is present too, a CUDA build and
-#      the GPU suite (tests/gpu)
+#      compile error cannot land, and the library checked for symbols it lacks (a forward-only dispatcher
+#      too); one sm90 forward unit compiled for sm_90a and its machine code checked, the sm90 layouts checked
+#      on the CPU (scripts/check-sm90.sh); where a GPU is present too, a CUDA build and the GPU suite (tests/gpu)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -68,6 +68,15 @@ if command -v nvcc >/dev/null 2>&1; then
   cmake -S . -B build/cuda-check -DCMAKE_BUILD_TYPE=Release -DFLARE_ENABLE_CUDA=ON -DFLARE_HEADDIMS=64 \
         -DFLARE_ARCHS=80 -DFLARE_BUILD_TESTS=OFF -DFLARE_BUILD_TOOLS=OFF
   cmake --build build/cuda-check -j"$jobs"
+  # The library names no flare symbol it does not define (it would not load), and a forward-only build's
+  # dispatcher names no backward kernel (the forward-only library is built in full on GPU machines only).
+  undefined=$(nm -D --undefined-only -C build/cuda-check/src/libflare.so | grep "flare::" || true)
+  if [[ -n $undefined ]]; then echo "test.sh: libflare.so needs symbols it lacks:"; echo "$undefined"; exit 1; fi
+  cmake -S . -B build/cuda-check-fwd -DCMAKE_BUILD_TYPE=Release -DFLARE_ENABLE_CUDA=ON -DFLARE_HEADDIMS=64 \
+        -DFLARE_ARCHS=80 -DFLARE_CUDA_PASSES=fwd -DFLARE_BUILD_TESTS=OFF -DFLARE_BUILD_TOOLS=OFF >/dev/null
+  make -C build/cuda-check-fwd/src cuda/backend.cu.o >/dev/null
+  backward=$(nm -C build/cuda-check-fwd/src/CMakeFiles/flare_cuda_host.dir/cuda/backend.cu.o | grep -E " U .*backward" || true)
+  if [[ -n $backward ]]; then echo "test.sh: a forward-only build names backward kernels:"; echo "$backward"; exit 1; fi
 
   stage "sm90 forward without a GPU: one unit for sm_90a and its SASS; layouts and partitions on the CPU"
   scripts/check-sm90.sh build/sm90-check
