@@ -534,7 +534,9 @@ def main(argv=None):
     trial = args.quick or args.dry_run or args.device == "cpu"  # never into bench/results by default
     out_dir = args.out or (REPO / "build" / "bench" if trial else REPO / "bench" / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
-    topic = "gpu-fwd-bwd" + ("-dry-run" if args.dry_run else "-cpu-check" if args.device == "cpu" else "")
+    # A forward-only run is its own topic: it does not supersede the last run with the backward rows.
+    topic = ("gpu-fwd" if args.passes == ["fwd"] else "gpu-fwd-bwd") + (
+        "-dry-run" if args.dry_run else "-cpu-check" if args.device == "cpu" else "")
     path = run_meta.write_result(run_meta.default_result_path(out_dir, topic, quick=args.quick),
                                  {"meta": meta, "rows": rows})
     flare_rows = [r for r in rows if r["impl"] == "flare" and r.get("vs_fa2") and "peak_mib" not in r]
