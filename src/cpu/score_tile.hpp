@@ -65,7 +65,7 @@ inline void shape_row(T* row, T* trow, int64_t cols, const ScoreShape& shape, T 
     const V neg_inf = vset<T>(static_cast<T>(kNegInf));
     for (int64_t c = 0; c < cols; c += W) {
       const V x = iota + static_cast<T>(c);
-      vstore(row + c, (x < lo) | (x > hi) ? neg_inf : vload(row + c));
+      vstore(row + c, ((x < lo) | (x > hi)) ? neg_inf : vload(row + c));
     }
   }
 }
