@@ -224,7 +224,7 @@ struct Outputs {
 // Index tensors: int32, one dimension (or two for block_table), values chosen by the caller.
 bool make_index(Tensor& t, const std::vector<int64_t>& shape, const std::vector<int32_t>& values) {
   if (!make_tensor(t, FLARE_DTYPE_I32, shape, Layout::kContiguous, 0)) return false;
-  std::memcpy(t.block.get(), values.data(), std::min(values.size() * 4, t.bytes));
+  if (!values.empty()) std::memcpy(t.block.get(), values.data(), std::min(values.size() * 4, t.bytes));
   return true;
 }
 
