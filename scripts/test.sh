@@ -5,8 +5,8 @@
 #   2. the C++ tests again at every SIMD level below that one (FLARE_CPU_ISA=avx512bf16, avx512, avx2,
 #      generic), so the lower kernels are checked on a machine that would not pick them; levels above the
 #      best are named as not testable here
-#   2b. the C++ tests under ASan + UBSan (the debug preset) and the C ABI fuzz target, its seeds and a bounded
-#      libFuzzer run (scripts/check-sanitizers.sh); flare built and tested with clang >= 16
+#   2b. flare built with clang >= 16 under ASan + UBSan: the C++ tests (the C ABI fuzz target's seeds among
+#      them) and a bounded libFuzzer run (scripts/check-sanitizers.sh); the bf16 units' clang -O0 check
 #      (scripts/check-clang.sh)
 #   3. the Python tests (pytest over tests/python: torch ops, flash_attn API, transformers, ring attention over
 #      gloo), with the pinned tests/python/requirements.txt installed by scripts/python-env.sh where missing
@@ -58,10 +58,10 @@ for isa in "${levels[@]}"; do
   FLARE_CPU_ISA=$isa ctest --test-dir build/release --output-on-failure -j"$jobs" "${filter[@]}"
 done
 
-stage "sanitizers: C++ tests under ASan + UBSan, C ABI fuzz target (scripts/check-sanitizers.sh)"
-scripts/check-sanitizers.sh build
+stage "clang >= 16, ASan + UBSan: C++ tests, C ABI fuzz target (scripts/check-sanitizers.sh)"
+scripts/check-sanitizers.sh build/sanitize
 
-stage "clang >= 16: build and C++ tests (scripts/check-clang.sh)"
+stage "clang: the bf16 units at -O0 (scripts/check-clang.sh)"
 scripts/check-clang.sh build/clang
 
 stage "Python tests (pytest, tests/python), against build/release/src/libflare.so"
