@@ -5,6 +5,9 @@
 #   2. the C++ tests again at every SIMD level below that one (FLARE_CPU_ISA=avx512bf16, avx512, avx2,
 #      generic), so the lower kernels are checked on a machine that would not pick them; levels above the
 #      best are named as not testable here
+#   2b. flare built with clang >= 16 under ASan + UBSan: the C++ tests (the C ABI fuzz target's seeds among
+#      them) and a bounded libFuzzer run (scripts/check-sanitizers.sh); the bf16 units' clang -O0 check
+#      (scripts/check-clang.sh)
 #   3. the Python tests (pytest over tests/python: torch ops, flash_attn API, transformers, ring attention over
 #      gloo), with the pinned tests/python/requirements.txt installed by scripts/python-env.sh where missing
 #   4. where nvcc is installed: the CUDA sources compiled (one head-dim tile of each pass, sm_80), so a
@@ -54,6 +57,12 @@ for isa in "${levels[@]}"; do
   [[ -n $forced_isa_tests ]] && filter=(-R "$forced_isa_tests")
   FLARE_CPU_ISA=$isa ctest --test-dir build/release --output-on-failure -j"$jobs" "${filter[@]}"
 done
+
+stage "clang >= 16, ASan + UBSan: C++ tests, C ABI fuzz target (scripts/check-sanitizers.sh)"
+scripts/check-sanitizers.sh build/sanitize
+
+stage "clang: the bf16 units at -O0 (scripts/check-clang.sh)"
+scripts/check-clang.sh build/clang
 
 stage "Python tests (pytest, tests/python), against build/release/src/libflare.so"
 py=$(scripts/python-env.sh)  # a Python with the pinned tests/python/requirements.txt

@@ -22,6 +22,8 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+
+#include "cpu/amx_support.hpp"
 #if defined(__linux__)
 #  include <sys/syscall.h>
 #  include <unistd.h>
@@ -196,7 +198,7 @@ Ceilings measure_all() {
     c.avx2_fp32 = measure_gflops(fma_chains_avx2, kChainsAvx2 * 8 * 2.0, c.threads);
   if (__builtin_cpu_supports("avx512bf16"))
     c.dpbf16 = measure_gflops(dpbf16_chains, kChains * 16 * 4.0, c.threads);
-  if (__builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && request_amx())
+  if (flare::cpu::amx_bf16_supported() && request_amx())
     c.amx_bf16 = measure_gflops(amx_chains, 4 * 16 * 16 * 32 * 2.0, c.threads);
 #endif
   return c;

@@ -10,6 +10,10 @@
 //   S = Q K^T -> softcap/ALiBi/mask -> P = exp(S - lse);  dV += P^T dO;  dP = dO V^T;
 //   dS = P * (dP - D) (* (1 - tanh^2) under softcap);  dK += dS^T Q;  dQ += dS K.
 // Q carries the softmax scale, so dK needs no extra factor and dQ is scaled once at the end.
+// Masked scores get dS = 0 by selection, not as P · (dP - D) with P = 0: a NaN or infinity in V at a key a row
+// cannot see makes its dP NaN, and 0 x NaN would carry it into the row's dQ and the key's dK. K's
+// non-finite values are zeroed in the pack that dQ += dS K reads and added back, times dS, to the rows that
+// see their key (unseen_values.hpp), so they reach dQ only there.
 #pragma once
 
 #include "cpu/arena.hpp"
@@ -17,6 +21,7 @@
 #include "cpu/score_tile.hpp"
 #include "cpu/sequences.hpp"
 #include "cpu/tile_gemm.hpp"
+#include "cpu/unseen_values.hpp"
 
 namespace flare::cpu::FLARE_ISA {
 
@@ -38,6 +43,7 @@ struct BackwardScratch {
     // dV accumulators.
     T *k, *kt, *vt, *dk, *dv;
     T *q, *dout, *delta, *lse;    // per query head: scaled Q, dO, rowsum(dO * O), lse
+    uint8_t* k_flags;             // per key: its K row holds a NaN or infinity (zeroed in k)
   };
   struct PerThread {
     Pack* pack;
@@ -58,7 +64,8 @@ struct BackwardScratch {
     Pack* pack = a.take<Pack>(packs);
     for (int i = 0; i < packs; ++i) {
       Pack pk{a.take<T>(nk * ld), a.take<T>(nk * p.headdim), a.take<T>(nk * p.headdim_v), a.take<T>(nk * ld),
-              a.take<T>(nk * ldv), a.take<T>(nq * ld), a.take<T>(nq * ldv), a.take<T>(nq), a.take<T>(nq)};
+              a.take<T>(nk * ldv), a.take<T>(nq * ld), a.take<T>(nq * ldv), a.take<T>(nq), a.take<T>(nq),
+              a.take<uint8_t>(nk)};
       if (pack) pack[i] = pk;
     }
     threads = a.take<PerThread>(nt);
@@ -113,6 +120,13 @@ inline void pack_backward_keys(const Problem& p, const RowPtr& krows, const RowP
     const T* vsrc = v_direct ? reinterpret_cast<const T*>(vrows.row(kb * Bk + jj0)) : vstage;
     const int64_t vld = v_direct ? vrows.row_bytes / static_cast<int64_t>(sizeof(T)) : ws.dvp;
     transpose_rows<T>(vsrc, vld, dv, vt + panel_offset(0, jj0, dv, Bk, w), stride);
+  }
+  // K^T (the scores' operand) keeps every value; the rows dQ += dS K reads lose their non-finite ones.
+  for (int64_t jj = 0; jj < Bk; ++jj) {
+    const int64_t j = kb * Bk + jj;
+    T* kr = pk.k + j * ws.ld;
+    pk.k_flags[j] = j < seqlen_k && any_nonfinite(kr, dtype_of<T>(), d);
+    if (pk.k_flags[j]) zero_nonfinite(kr, dtype_of<T>(), d);
   }
 }
 
@@ -173,8 +187,8 @@ inline void backward_tile(const Problem& p, const Sequence& seq, int64_t h, int6
 
   gemm_tile_panels<T, false>(Bq, Bk, d, q, ld, PanelsB<T>{pk.kt + kb * d * Bk, d, Bk}, t.s, Bk);
   const ScoreShape shape = score_shape(p, seq, h);
-  if (shape.softcap > 0 || shape.alibi || !block_fully_visible(mask, i0, rows, j0, Bk))
-    shape_scores<T>(t.s, Bk, rows, Bk, i0, j0, mask, shape, t.tanh);
+  const bool masked = !block_fully_visible(mask, i0, rows, j0, Bk);
+  if (shape.softcap > 0 || shape.alibi || masked) shape_scores<T>(t.s, Bk, rows, Bk, i0, j0, mask, shape, t.tanh);
   // Masked keys (including those past the sequence end) are -inf; rows past the end have lse = +inf.
   for (int64_t r = 0; r < Bq; ++r) {
     T* srow = t.s + r * Bk;
@@ -198,9 +212,14 @@ inline void backward_tile(const Problem& p, const Sequence& seq, int64_t h, int6
     } else {
       for (int64_t c = 0; c < Bk; c += W) vstore(ds + c, vload(pr + c) * (vload(ds + c) - delta));
     }
+    if (masked) {
+      const policy::KeyRange keys = mask.keys_of(i0 + r);
+      fill_outside<T>(ds, Bk, keys.first - j0, keys.last - j0, T(0));
+    }
   }
   gemm_tile<T, true, true>(Bk, dp, Bq, t.dp, Bk, q, ld, pk.dk + j0 * ld, ld);        // dK += dS^T Q
   gemm_tile<T, true>(Bq, dp, Bk, t.dp, Bk, pk.k + j0 * ld, ld, t.dq + i0 * ld, ld);  // dQ += dS K
+  add_seen_nonfinite_keys<T>(p, seq, h, pk.k_flags + j0, j0, Bk, i0, rows, t.dp, Bk, t.dq + i0 * ld, ld);
 }
 
 // The fp32/fp64 FMA engine: what run_backward needs from a compute path.

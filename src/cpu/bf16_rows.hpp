@@ -68,7 +68,9 @@ inline void bf16_delta_and_lse(const Problem& p, const Sequence& seq, const RowP
 // x queries fp32 with leading dimension queries): Pᵀ = exp(scale · Sᵀ - lse) and dSᵀ = Pᵀ ∘ (dPᵀ - D)
 // (∘ (1 - tanh²) under softcap), written back to s and dp and rounded to bf16 into p and ds. Softcap, ALiBi
 // and masks are applied first where the block needs them (tanh receives the softcap's tanh); lse and delta
-// are the tile's queries' (lse = +inf where a query sees no key or is padding, so that its P is 0).
+// are the tile's queries' (lse = +inf where a query sees no key or is padding, so that its P is 0). Where a
+// query cannot see a key, or is padding, dS is 0 by selection: 0 x (dP - D) would be NaN when the key's V
+// (and so dP) holds a NaN or infinity, and would carry it into the query's dQ and the key's dK.
 inline void bf16_backward_elementwise(const Problem& p, const Sequence& seq, int64_t h, int64_t i0, int64_t j0,
                                       int64_t keys, int64_t queries, const float* lse, const float* delta, float* s,
                                       float* dp, float* tanh, uint16_t* pb, uint16_t* ds) {
@@ -77,8 +79,9 @@ inline void bf16_backward_elementwise(const Problem& p, const Sequence& seq, int
   const policy::WindowMask mask = seq.mask(p);
   const float scale = static_cast<float>(p.score.scale);
   const ScoreShape shape = score_shape(p, seq, h);
-  const bool shaped = shape.softcap > 0 || shape.alibi || seq.seqlen_k - j0 < keys ||
-                      !block_fully_visible(mask, i0, smin(queries, seq.seqlen_q - i0), j0, keys);
+  const bool clipped = seq.seqlen_k - j0 < keys || !block_fully_visible(mask, i0, smin(queries, seq.seqlen_q - i0), j0, keys);
+  const bool shaped = shape.softcap > 0 || shape.alibi || clipped;
+  const bool padded = seq.seqlen_q - i0 < queries;
   float row_scale = scale;
   if (shaped) {
     for (int64_t r = 0; r < keys * queries; r += W) vstore(s + r, vload(s + r) * scale);
@@ -98,6 +101,11 @@ inline void bf16_backward_elementwise(const Problem& p, const Sequence& seq, int
       }
       vstore(srow + c, pv);
       vstore(dsrow + c, d);
+    }
+    if (clipped || padded) {
+      const int64_t j = j0 + r;
+      const policy::KeyRange seen = j < seq.seqlen_k ? mask.queries_of_keys(j, j + 1) : policy::KeyRange{1, 0};
+      fill_outside<float>(dsrow, queries, seen.first - i0, smin(seen.last, seq.seqlen_q - 1) - i0, 0.0f);
     }
     round_to_bf16(srow, pb + r * queries, queries);
     round_to_bf16(dsrow, ds + r * queries, queries);

@@ -14,6 +14,9 @@
 
 #include "common/error.hpp"
 #include "cpu/cpu_backend.hpp"
+#if defined(FLARE_X86)
+#  include "cpu/amx_support.hpp"
+#endif
 #include "cpu/isa_kernels.hpp"
 
 namespace flare::cpu {
@@ -62,8 +65,7 @@ const Kernels& select_kernels() {
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
     level = kAvx512;
   if (level == kAvx512 && __builtin_cpu_supports("avx512bf16")) level = kAvx512Bf16;
-  if (level == kAvx512Bf16 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16"))
-    level = kAmx;
+  if (level == kAvx512Bf16 && amx_bf16_supported()) level = kAmx;
 #endif
   if (const char* forced = std::getenv("FLARE_CPU_ISA")) {
     for (int wanted = kGeneric; wanted < level; ++wanted)

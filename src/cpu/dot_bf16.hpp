@@ -21,18 +21,30 @@
 namespace flare::cpu::FLARE_ISA {
 
 // The micro-kernel's arithmetic on bf16 pairs (see tile_gemm.hpp's FmaOps): In is a pair word, C is fp32.
+// The pairs travel as integer vectors (__m512i) and become __m512bh only inside madd: clang 16 mishandles
+// values of bf16 vector type between functions. At -O0 a call taking two __m512bh arguments passes both in
+// zmm1 and leaves the callee's zmm2 unset (run-to-run garbage in B), and at -O1 and above its VectorCombine
+// recurses without end on a bitcast of the A broadcast to __m512bh (LLVM issue 68117) and crashes. Under
+// clang, vdpbf16ps is written as inline assembly on the integer vectors, so no bf16 vector value exists.
 struct Bf16PairOps {
   using In = uint32_t;
   using Acc = float;
-  using VA = __m512bh;
-  using VB = __m512bh;
+  using VA = __m512i;
+  using VB = __m512i;
   using VC = __m512;
   static constexpr int W = 16;
-  static VA broadcast(In a) { return reinterpret_cast<VA>(_mm512_set1_epi32(static_cast<int>(a))); }
-  static VB load_b(const In* p) { return reinterpret_cast<VB>(_mm512_loadu_si512(p)); }
+  static VA broadcast(In a) { return _mm512_set1_epi32(static_cast<int>(a)); }
+  static VB load_b(const In* p) { return _mm512_loadu_si512(p); }
   static VC load_c(const Acc* p) { return _mm512_loadu_ps(p); }
   static void store_c(Acc* p, VC v) { _mm512_storeu_ps(p, v); }
-  static VC madd(VC c, VA a, VB b) { return _mm512_dpbf16_ps(c, a, b); }
+  static VC madd(VC c, VA a, VB b) {
+#if defined(__clang__)
+    __asm__("vdpbf16ps %2, %1, %0" : "+v"(c) : "v"(a), "v"(b));
+    return c;
+#else
+    return _mm512_dpbf16_ps(c, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+#endif
+  }
 };
 
 // C (m x n fp32, ldc) = or += A · B: A has m rows of k_pairs pair words (lda words apart; with TransA stored

@@ -37,6 +37,21 @@ inline bool block_fully_visible(const policy::WindowMask& mask, int64_t i0, int6
   return mask.keys_of(i0 + rows - 1).first <= j0 && mask.keys_of(i0).last >= j0 + n - 1;
 }
 
+// Sets the columns of a row of `cols` (a multiple of W) outside [first, last] to value, by selection: what
+// was there, NaN included, does not matter.
+template <class T>
+inline void fill_outside(T* row, int64_t cols, int64_t first, int64_t last, T value) {
+  using V = vec_t<T>;
+  constexpr int W = Simd<T>::W;
+  if (first <= 0 && last >= cols - 1) return;
+  const V iota = viota<T>(), fill = vset<T>(value);
+  const T lo = static_cast<T>(first), hi = static_cast<T>(last);
+  for (int64_t c = 0; c < cols; c += W) {
+    const V x = iota + static_cast<T>(c);
+    vstore(row + c, ((x < lo) | (x > hi)) ? fill : vload(row + c));
+  }
+}
+
 // Shapes one row of `cols` scores (a multiple of W): softcap (saving tanh to trow when given), ALiBi with
 // |diagonal - key| = |dist0 + step * c| at column c, then -inf outside the visible columns [first, last].
 template <class T>
@@ -60,14 +75,7 @@ inline void shape_row(T* row, T* trow, int64_t cols, const ScoreShape& shape, T 
       vstore(row + c, vload(row + c) - slope * (dist < 0 ? -dist : dist));
     }
   }
-  if (first > 0 || last < cols - 1) {
-    const T lo = static_cast<T>(first), hi = static_cast<T>(last);
-    const V neg_inf = vset<T>(static_cast<T>(kNegInf));
-    for (int64_t c = 0; c < cols; c += W) {
-      const V x = iota + static_cast<T>(c);
-      vstore(row + c, (x < lo) | (x > hi) ? neg_inf : vload(row + c));
-    }
-  }
+  fill_outside<T>(row, cols, first, last, static_cast<T>(kNegInf));
 }
 
 // s: rows x cols (cols a multiple of W) with leading dimension ld; row r is query i0 + r, column c is key

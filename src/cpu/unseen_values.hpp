@@ -87,4 +87,32 @@ inline void add_seen_nonfinite_values(const Problem& p, const Sequence& seq, int
   }
 }
 
+// The backward's counterpart for K (backward.hpp): after a block's dQ += dS K (keys [j0, j0 + cols), flags[jj]
+// set where key j0 + jj's K row holds a NaN or infinity, zeroed in the pack) for rows [i0, i0 + rows) of head
+// h, each row adds dS(r, j) times the non-finite values of the flagged keys it sees to its accumulator dq (row
+// r at dq + r * lddq; dS row r at ds + r * ldds), as the product would have with them in place.
+template <class T>
+inline void add_seen_nonfinite_keys(const Problem& p, const Sequence& seq, int64_t h, const uint8_t* flags, int64_t j0,
+                                    int64_t cols, int64_t i0, int64_t rows, const T* ds, int64_t ldds, T* dq,
+                                    int64_t lddq) {
+  bool any = false;
+  for (int64_t c = 0; c < cols; ++c) any |= flags[c] != 0;
+  if (!any) return;
+  const RowPtr krows = key_rows(p, p.k, seq, h / (p.nheads / p.nheads_k));
+  const policy::WindowMask mask = seq.mask(p);
+  double k[256];  // head dims are at most 256
+  for (int64_t r = 0; r < rows; ++r) {
+    const policy::KeyRange keys = mask.keys_of(i0 + r);
+    const int64_t first = smax(smax<int64_t>(keys.first, 0), j0);
+    const int64_t last = smin(smin<int64_t>(keys.last, seq.seqlen_k - 1), j0 + cols - 1);
+    for (int64_t j = first; j <= last; ++j) {
+      if (!flags[j - j0]) continue;
+      load_row<double>(krows.row(j), p.dtype, k, p.headdim, 1.0);
+      const T weight = ds[r * ldds + (j - j0)];
+      for (int64_t c = 0; c < p.headdim; ++c)
+        if (!std::isfinite(k[c])) dq[r * lddq + c] += weight * static_cast<T>(k[c]);
+    }
+  }
+}
+
 }  // namespace flare::cpu::FLARE_ISA

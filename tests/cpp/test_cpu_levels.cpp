@@ -7,6 +7,10 @@
 #include <cstring>
 #include <string>
 
+#if defined(__x86_64__)
+#  include <cpuid.h>
+#endif
+
 #include "flare/flare.h"
 
 namespace {
@@ -21,6 +25,19 @@ int level_index(const char* name) {
   return -1;
 }
 
+#if defined(__x86_64__)
+// AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22) with the tile state enabled by the OS (XCR0 bits
+// 17 and 18). Read from CPUID: clang rejects "amx-tile" in __builtin_cpu_supports.
+bool has_amx_bf16() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22))) return false;
+  unsigned lo = 0, hi = 0;
+  __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (lo >> 17 & 3u) == 3u;
+}
+#endif
+
 // The best level by the processor's feature flags, as dispatch.cpp decides it (before the AMX permission).
 int processor_level() {
   int level = 0;
@@ -31,7 +48,7 @@ int processor_level() {
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
     level = 2;
   if (level == 2 && __builtin_cpu_supports("avx512bf16")) level = 3;
-  if (level == 3 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16")) level = 4;
+  if (level == 3 && has_amx_bf16()) level = 4;
 #endif
   return level;
 }

@@ -1,10 +1,11 @@
 // test_unseen_values.cpp — NaN and infinity in K or V at a key a row cannot see never reach that row's
-// output: causal- and window-masked keys (which share key blocks with rows that see them), slots beyond
+// output, nor (backward) that row's dQ or the gradients of the keys no row sees: causal- and window-masked keys (which share key blocks with rows that see them), slots beyond
 // cache_seqlens, varlen padding past seqused_k, and unused slots and blocks of a paged cache. Serving caches
 // are allocated uninitialised, so this is correctness, not tidiness. Each output row is checked against
 // the fp64 reference: rows that see a non-finite value must be non-finite, every other row must match.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -233,6 +234,108 @@ TEST(UnseenValues, VarlenPaddingPastSeqused) {
           [&](int64_t i, int64_t h, int64_t c) { return get(out, ((cu_q[b] + i) * heads + h) * dim + c); },
           tolerance(dtype));
     }
+  }
+}
+
+// ---- backward ---------------------------------------------------------------------------------------------
+
+// Compares gradient rows (`rows` of `width`, element (r, c) at got(r, c)) with the reference's: each row
+// whose reference is finite (it depends on no non-finite value) must match it within tol * max(1, max
+// |reference|). How a non-finite value spreads through the rows that see it (through their out, D and lse
+// into every key they see) is not this test's subject. At least min_finite_rows rows are compared.
+void expect_rows_match(const char* name, const std::vector<double>& want, int64_t rows, int64_t width,
+                       const std::function<double(int64_t, int64_t)>& got, double tol, int64_t min_finite_rows) {
+  double scale = 1.0;
+  for (double x : want)
+    if (std::isfinite(x)) scale = std::max(scale, std::abs(x));
+  int64_t finite_rows = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    bool row_finite = true;
+    for (int64_t c = 0; c < width; ++c) row_finite &= std::isfinite(want[r * width + c]);
+    if (!row_finite) continue;
+    ++finite_rows;
+    for (int64_t c = 0; c < width; ++c)
+      ASSERT_NEAR(got(r, c), want[r * width + c], tol * scale) << name << " row " << r << " dim " << c;
+  }
+  EXPECT_GE(finite_rows, min_finite_rows) << name;
+}
+
+// Dense backward, one sequence of 300 queries and keys (three key blocks of the FMA engine, five of the bf16
+// ones), 2 query heads on one kv head: key `bad` holds `v_value` in V and `k_value` in K. out and lse come
+// from flare's forward; dq (rows (query, head)), dk and dv (rows = keys) are checked against the reference,
+// dq in at least `clean_rows` rows (the rows that cannot see key `bad`, both heads).
+void dense_backward_case(flare_dtype dtype, int32_t causal, int32_t window_left, float softcap, int64_t bad,
+                         double v_value, double k_value, int64_t clean_rows) {
+  SCOPED_TRACE(std::string(dtype == FLARE_DTYPE_F32 ? "f32" : "bf16") + " causal " + std::to_string(causal) +
+               " window_left " + std::to_string(window_left) + " softcap " + std::to_string(softcap) + " bad key " +
+               std::to_string(bad));
+  const int64_t n = 300, heads = 2, dim = 32;
+  Tensor q(dtype, {1, n, heads, dim}, 21), k(dtype, {1, n, 1, dim}, 22), v(dtype, {1, n, 1, dim}, 23),
+      out(dtype, {1, n, heads, dim}, 24), dout(dtype, {1, n, heads, dim}, 25), lse(FLARE_DTYPE_F32, {1, heads, n}),
+      dq(dtype, {1, n, heads, dim}, 26), dk(dtype, {1, n, 1, dim}, 27), dv(dtype, {1, n, 1, dim}, 28);
+  fill_row(v, bad, dim, v_value);
+  fill_row(k, bad, dim, k_value);
+  flare_fwd_params f;
+  flare_fwd_params_init(&f);
+  f.q = q.view;
+  f.k = k.view;
+  f.v = v.view;
+  f.out = out.view;
+  f.softmax_lse = lse.view;
+  f.attn.causal = causal;
+  f.attn.window_left = window_left;
+  f.attn.softcap = softcap;
+  ASSERT_EQ(flare_fwd(&f), FLARE_OK) << flare_last_error();
+  flare_bwd_params b;
+  flare_bwd_params_init(&b);
+  b.q = q.view;
+  b.k = k.view;
+  b.v = v.view;
+  b.out = out.view;
+  b.dout = dout.view;
+  b.softmax_lse = lse.view;
+  b.dq = dq.view;
+  b.dk = dk.view;
+  b.dv = dv.view;
+  b.attn = f.attn;
+  ASSERT_EQ(flare_bwd(&b), FLARE_OK) << flare_last_error();
+
+  reference::Options opts;
+  opts.causal = causal;
+  opts.window_left = window_left;
+  opts.softcap = softcap;
+  reference::Sequence seq;
+  seq.seqlen_q = seq.seqlen_k = n;
+  std::vector<double> dout_ref;
+  for (int64_t x = 0; x < n * heads * dim; ++x) {
+    seq.q.push_back(get(q, x));
+    dout_ref.push_back(get(dout, x));
+  }
+  for (int64_t x = 0; x < n * dim; ++x) {
+    seq.k.push_back(get(k, x));
+    seq.v.push_back(get(v, x));
+  }
+  const reference::Gradients ref = reference::backward({heads, 1, dim, dim}, opts, seq, dout_ref);
+  const double tol = dtype == FLARE_DTYPE_F32 ? 1e-4 : 3e-2;
+  expect_rows_match("dq", ref.dq, n * heads, dim, [&](int64_t r, int64_t c) { return get(dq, r * dim + c); }, tol,
+                    clean_rows);
+  expect_rows_match("dk", ref.dk, n, dim, [&](int64_t r, int64_t c) { return get(dk, r * dim + c); }, tol, 0);
+  expect_rows_match("dv", ref.dv, n, dim, [&](int64_t r, int64_t c) { return get(dv, r * dim + c); }, tol, 0);
+}
+
+TEST(UnseenValues, BackwardCausalMaskedKeys) {
+  for (flare_dtype dtype : kDtypes) {
+    dense_backward_case(dtype, 1, -1, 0.0f, 150, kNaN, 1.0, 2 * 150);   // NaN in V: rows 0..149 cannot see key 150
+    dense_backward_case(dtype, 1, -1, 0.0f, 200, 1.0, kNaN, 2 * 200);   // NaN in K
+    dense_backward_case(dtype, 1, -1, 0.0f, 299, kInf, -kInf, 2 * 299);  // only the last row sees it
+    dense_backward_case(dtype, 1, -1, 30.0f, 100, kNaN, kInf, 2 * 100);  // softcap: the masked tanh is NaN
+  }
+}
+
+TEST(UnseenValues, BackwardWindowMaskedKeys) {
+  for (flare_dtype dtype : kDtypes) {
+    dense_backward_case(dtype, 1, 16, 0.0f, 10, kNaN, kNaN, 2 * (10 + 273));  // rows 27.. slid past key 10
+    dense_backward_case(dtype, 0, 7, 0.0f, 200, kInf, kInf, 2 * 92);  // non-causal: rows 208.. do not see it
   }
 }
 
