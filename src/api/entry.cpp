@@ -1,6 +1,7 @@
 // entry.cpp — the exported C ABI (flare.h): each entry point clears the error, validates its params into
 // a Problem, checks the workspace and dispatches by device. No C++ exception crosses this file's functions.
 #include <cstddef>
+#include <cstring>
 #include <new>
 #include <string>
 
@@ -113,7 +114,11 @@ extern "C" {
 FLARE_API const char* flare_last_error(void) { return flare::detail::last_error(); }
 
 FLARE_API const char* flare_status_string(flare_status status) {
-  switch (status) {
+  // A C caller may pass any int; in C++ a value outside the enum's range is not a flare_status, so the
+  // bytes are read as the int they are (no load of an out-of-range enum value).
+  int code = 0;
+  std::memcpy(&code, &status, sizeof code);
+  switch (code) {
     case FLARE_OK: return "FLARE_OK";
     case FLARE_INVALID_ARGUMENT: return "FLARE_INVALID_ARGUMENT";
     case FLARE_UNSUPPORTED: return "FLARE_UNSUPPORTED";
