@@ -8,20 +8,12 @@
 
 #include <cstdint>
 
+#include "common/operand.hpp"
 #include "flare/flare.h"
 
 namespace flare::detail {
 
-// One (token, head, dim) operand. Element (b, t, h, c) of a dense tensor lives at
-//   data + b * batch_stride + t * row_stride + h * head_stride + c            (elements of dtype).
-// Varlen tensors have batch_stride 0 and tokens are offset by cu_seqlens. A paged KV cache addresses
-// blocks through batch_stride (the stride of its num_blocks dimension; see Problem::block_table).
-struct Operand {
-  void* data = nullptr;
-  int64_t batch_stride = 0;
-  int64_t row_stride = 0;
-  int64_t head_stride = 0;
-};
+// Operands: common/operand.hpp (shared with the CUDA kernels' params).
 
 // Scores, masks and biases (FlashAttention semantics, see flare.h). Windows are normalised: causal is
 // folded into window_right = 0; -1 means unbounded.

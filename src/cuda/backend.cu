@@ -192,13 +192,11 @@ flare_status plan_call(const Problem& p, Plan* plan) {
   return FLARE_OK;
 }
 
-Tensor3 tensor3(const detail::Operand& o) { return Tensor3{o.data, o.batch_stride, o.row_stride, o.head_stride}; }
-
 void fill_attn(const Problem& p, AttnParams* a) {
-  a->q = tensor3(p.q);
-  a->k = tensor3(p.k);
-  a->v = tensor3(p.v);
-  a->out = tensor3(p.out);
+  a->q = p.q;
+  a->k = p.k;
+  a->v = p.v;
+  a->out = p.out;
   a->lse = p.lse;
   a->lse_batch_stride = p.lse_batch_stride;
   a->lse_head_stride = p.lse_head_stride;
@@ -302,10 +300,10 @@ flare_status backward(const Problem& p) {
   char* w = static_cast<char*>(ws);
   BwdParams b;
   fill_attn(p, &b);
-  b.dout = tensor3(p.dout);
-  b.dq = tensor3(p.dq);
-  b.dk = tensor3(p.dk);
-  b.dv = tensor3(p.dv);
+  b.dout = p.dout;
+  b.dq = p.dq;
+  b.dk = p.dk;
+  b.dv = p.dv;
   b.dsum = reinterpret_cast<float*>(w);
   b.dq_accum = reinterpret_cast<float*>(w + l.dsum);
   if (l.dkv > 0) {

@@ -5,20 +5,17 @@
 
 #include <cstdint>
 
+#include "common/operand.hpp"
+
 namespace flare::cuda {
 
-// One (token, head, dim) operand: element (b, t, h, c) of a dense tensor is at
-//   ptr + b * batch_stride + t * row_stride + h * head_stride + c.
-// Varlen tensors have batch_stride 0; token t of sequence b is cu_seqlens[b] + t.
-struct Tensor3 {
-  void* ptr = nullptr;
-  int64_t batch_stride = 0;
-  int64_t row_stride = 0;
-  int64_t head_stride = 0;
-};
+// Operands are common/operand.hpp's: element (b, t, h, c) of a dense tensor is at
+//   data + b * batch_stride + t * row_stride + h * head_stride + c;
+// varlen tensors have batch_stride 0, and token t of sequence b is cu_seqlens[b] + t.
+using detail::Operand;
 
 struct AttnParams {
-  Tensor3 q, k, v, out;
+  Operand q, k, v, out;
   float* lse = nullptr;  // optional in the forward; row (b, h) at lse + b * lse_batch_stride + h * lse_head_stride
   int64_t lse_batch_stride = 0;
   int64_t lse_head_stride = 0;
@@ -64,7 +61,7 @@ constexpr int kSmallSmemBytes = 99 * 1024;
 constexpr int kRowPad = 128;
 
 struct BwdParams : AttnParams {
-  Tensor3 dout, dq, dk, dv;
+  Operand dout, dq, dk, dv;
 
   // Workspace (fp32), laid out by the host (backend.cu). Query rows of sequence b start at row
   // q_row0(b) = varlen ? cu_seqlens_q[b] + b * kRowPad : b * seqlen_q_rounded (likewise for keys), so every

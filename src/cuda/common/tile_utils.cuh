@@ -35,8 +35,8 @@ __device__ __forceinline__ auto convert_fragment(Tensor<Engine, Layout> const& s
 // ---- views -------------------------------------------------------------------------------------------------
 // The (rows x kHeadDim) rows of one (sequence, head) of an operand, starting `offset` elements into it.
 template <class Element, int kHeadDim>
-__device__ __forceinline__ auto gmem_rows(Tensor3 const& t, int64_t offset, int rows) {
-  return make_tensor(make_gmem_ptr(static_cast<Element*>(t.ptr) + offset), make_shape(rows, Int<kHeadDim>{}),
+__device__ __forceinline__ auto gmem_rows(Operand const& t, int64_t offset, int rows) {
+  return make_tensor(make_gmem_ptr(static_cast<Element*>(t.data) + offset), make_shape(rows, Int<kHeadDim>{}),
                      make_stride(t.row_stride, _1{}));
 }
 
@@ -76,10 +76,10 @@ struct Sequence {
   }
 
   // Element offset of (b, token 0, head h) in an operand.
-  __device__ __forceinline__ int64_t q_offset(Tensor3 const& t, int b, int h) const {
+  __device__ __forceinline__ int64_t q_offset(Operand const& t, int b, int h) const {
     return b * t.batch_stride + q_token0 * t.row_stride + h * t.head_stride;
   }
-  __device__ __forceinline__ int64_t k_offset(Tensor3 const& t, int b, int h) const {
+  __device__ __forceinline__ int64_t k_offset(Operand const& t, int b, int h) const {
     return b * t.batch_stride + k_token0 * t.row_stride + h * t.head_stride;
   }
   __device__ __forceinline__ int64_t lse_offset(AttnParams const& p, int b, int h) const {

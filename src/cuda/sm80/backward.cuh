@@ -68,8 +68,8 @@ __global__ void __launch_bounds__(kDsumThreads) dsum_kernel(const __grid_constan
   const int h = blockIdx.y;
   const int b = blockIdx.z;
   const Sequence seq(p, b);
-  const Element* out = static_cast<const Element*>(p.out.ptr) + seq.q_offset(p.out, b, h);
-  const Element* dout = static_cast<const Element*>(p.dout.ptr) + seq.q_offset(p.dout, b, h);
+  const Element* out = static_cast<const Element*>(p.out.data) + seq.q_offset(p.out, b, h);
+  const Element* dout = static_cast<const Element*>(p.dout.data) + seq.q_offset(p.dout, b, h);
   float* dsum = p.dsum + h * p.q_rows + seq.q_row0(p, b);
   const int col = threadIdx.x % kLanes * kVec;
   const int end = min(seq.len_q, (blockIdx.x + 1) * kRowsPerCta);
@@ -166,19 +166,19 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
   Tensor tKcK = gthr.partition_S(make_identity_tensor(TileN{}));
   // One tile of an operand into shared memory, from `offset` elements into it, `rows` rows of it existing;
   // unpredicated when the tile is whole (every tile but a sequence's last, at a compiled head dim).
-  const auto load_tile = [&](Tensor3 const& t, int64_t offset, int rows, int cols, Element* to, auto tile,
+  const auto load_tile = [&](Operand const& t, int64_t offset, int rows, int cols, Element* to, auto tile,
                              auto layout, auto const& coord) {
     constexpr int kRowsOfTile = decltype(size<0>(tile))::value;
-    Tensor g = make_tensor(make_gmem_ptr(static_cast<const Element*>(t.ptr) + offset), tile,
+    Tensor g = make_tensor(make_gmem_ptr(static_cast<const Element*>(t.data) + offset), tile,
                            make_stride(t.row_stride, _1{}));
     Tensor s = make_tensor(make_smem_ptr(to), layout);
     copy_tile(gload, gthr.partition_S(g), gthr.partition_D(s), coord, rows, cols,
               rows >= kRowsOfTile && cols == kHeadDim);
   };
-  const auto load_kv = [&](Tensor3 const& t, int64_t offset, int rows, int cols, Element* to) {
+  const auto load_kv = [&](Operand const& t, int64_t offset, int rows, int cols, Element* to) {
     load_tile(t, offset, rows, cols, to, TileN{}, typename T::SmemLayoutKV{}, tKcK);
   };
-  const auto load_q = [&](Tensor3 const& t, int64_t offset, int rows, int cols, int to) {
+  const auto load_q = [&](Operand const& t, int64_t offset, int rows, int cols, int to) {
     load_tile(t, offset, rows, cols, base + to * kQ, TileM{}, typename T::SmemLayoutQ{}, tQcQ);
   };
 
@@ -501,7 +501,7 @@ __global__ void __launch_bounds__(T::kThreads) dq_kernel(const __grid_constant__
   const int t0 = 4 * tid % kThreads;
   const DqCoords owner[4] = {DqCoords(mma_dq, t0), DqCoords(mma_dq, t0 + 1), DqCoords(mma_dq, t0 + 2),
                              DqCoords(mma_dq, t0 + 3)};
-  Element* dq = static_cast<Element*>(p.dq.ptr) + seq.q_offset(p.dq, b, h);
+  Element* dq = static_cast<Element*>(p.dq.data) + seq.q_offset(p.dq, b, h);
   const int64_t split_stride = static_cast<int64_t>(p.nheads) * p.q_rows * kHeadDim;
   const float* src = p.dq_accum + (h * p.q_rows + seq.q_row0(p, b) + m0) * kHeadDim + 4 * tid;
   const int rows = min(kBlockM, seq.len_q - m0);
@@ -557,8 +557,8 @@ __global__ void __launch_bounds__(256) dkv_reduce_kernel(const __grid_constant__
   const Sequence seq(p, b);
   const int group = p.nheads / p.nheads_k;
   const int64_t row0 = seq.k_row0(p, b);
-  Element* dk = static_cast<Element*>(p.dk.ptr) + seq.k_offset(p.dk, b, hk);
-  Element* dv = static_cast<Element*>(p.dv.ptr) + seq.k_offset(p.dv, b, hk);
+  Element* dk = static_cast<Element*>(p.dk.data) + seq.k_offset(p.dk, b, hk);
+  Element* dv = static_cast<Element*>(p.dv.data) + seq.k_offset(p.dv, b, hk);
   const int width = max(p.headdim, p.headdim_v);
   const int j_end = min(seq.len_k_stored, (blockIdx.x + 1) * kRowsPerCta);
   for (int idx = threadIdx.x; idx < kRowsPerCta * width; idx += blockDim.x) {

@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
   }
 
   // ---- global and shared views
-  const auto gmem = [](Tensor3 const& t, int64_t offset, int rows) {
+  const auto gmem = [](Operand const& t, int64_t offset, int rows) {
     return gmem_rows<Element, kHeadDim>(t, offset, rows);
   };
   Tensor gQ = local_tile(gmem(p.q, seq.q_offset(p.q, b, h), seq.len_q), Shape<Int<kBlockM>, Int<kHeadDim>>{},

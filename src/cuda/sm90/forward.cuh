@@ -295,7 +295,7 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
     // staging buffer is not touched: at head dims above 128 it is Q's, which the producer may already be
     // filling with the next tile's Q (it waits for nothing on a tile it did not load).
     constexpr int kChunks = T::kHeadDim / 8;
-    Element* out = static_cast<Element*>(p.out.ptr) + b * p.out.batch_stride + h * p.out.head_stride;
+    Element* out = static_cast<Element*>(p.out.data) + b * p.out.batch_stride + h * p.out.head_stride;
     for (int i = ctid; i < T::kBlockM * kChunks; i += T::kMmaThreads) {
       const int row = m0 + i / kChunks;
       if (row < p.seqlen_q) {
@@ -388,7 +388,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) forward_kernel(const __grid_co
 // The TMA view of one operand: (tokens, head dim, heads, batch). A mode of extent 1 takes a stride the copy
 // engine accepts (any multiple of 16 bytes) whatever the caller's was: it is never stepped.
 template <class Ptr>
-auto gmem_view(Ptr ptr, Tensor3 const& t, int tokens, int dim, int heads, int batch) {
+auto gmem_view(Ptr ptr, Operand const& t, int tokens, int dim, int heads, int batch) {
   const int64_t fallback = int64_t{tokens} * t.row_stride + 8;
   const auto tidy = [&](int extent, int64_t stride) { return extent == 1 && stride <= 0 ? fallback : stride; };
   return make_tensor(make_gmem_ptr(ptr), make_layout(make_shape(tokens, dim, heads, batch),
@@ -400,12 +400,12 @@ auto gmem_view(Ptr ptr, Tensor3 const& t, int tokens, int dim, int heads, int ba
 template <class Element, int kHeadDim>
 cudaError_t launch_forward(AttnParams const& p, cudaStream_t stream) {
   using T = FwdTraits<Element, kHeadDim>;
-  const auto q = gmem_view(static_cast<Element const*>(p.q.ptr), p.q, p.seqlen_q, p.headdim, p.nheads, p.batch);
+  const auto q = gmem_view(static_cast<Element const*>(p.q.data), p.q, p.seqlen_q, p.headdim, p.nheads, p.batch);
   const auto k =
-      gmem_view(static_cast<Element const*>(p.k.ptr), p.k, p.seqlen_k, p.headdim, p.nheads_k, p.batch);
+      gmem_view(static_cast<Element const*>(p.k.data), p.k, p.seqlen_k, p.headdim, p.nheads_k, p.batch);
   const auto v =
-      gmem_view(static_cast<Element const*>(p.v.ptr), p.v, p.seqlen_k, p.headdim_v, p.nheads_k, p.batch);
-  const auto o = gmem_view(static_cast<Element*>(p.out.ptr), p.out, p.seqlen_q, p.headdim_v, p.nheads, p.batch);
+      gmem_view(static_cast<Element const*>(p.v.data), p.v, p.seqlen_k, p.headdim_v, p.nheads_k, p.batch);
+  const auto o = gmem_view(static_cast<Element*>(p.out.data), p.out, p.seqlen_q, p.headdim_v, p.nheads, p.batch);
   const typename T::Params params{
       p,
       make_tma_copy(SM90_TMA_LOAD{}, q, typename T::SmemLayoutQ{}, Shape<typename T::BlockM, typename T::HeadDim>{},
