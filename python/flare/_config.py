@@ -35,6 +35,7 @@ def config():
         "cuda_sm90": built.get("cuda_sm90") == "1",
         "cuda_headdims": [int(d) for d in listed("cuda_headdims")],
         "cuda_passes": listed("cuda_passes"),
+        "cuda_reason": built.get("cuda_reason", ""),
         "torch_version": torch.__version__,
         "torch_cuda": torch.version.cuda or "",
         "gpus": [],
@@ -81,7 +82,8 @@ def show_config(file=None):
         rows.append(("CUDA head dims", ", ".join(map(str, info["cuda_headdims"])) + " (passes: "
                      + ", ".join(info["cuda_passes"]) + ")"))
     else:
-        rows.append(("CUDA backend", "not built (CPU tensors only)"))
+        rows.append(("CUDA backend", "not built (CPU tensors only)"
+                     + (f": {info['cuda_reason']}" if info["cuda_reason"] else "")))
     rows.append(("torch", info["torch_version"] + (f" (CUDA {info['torch_cuda']})" if info["torch_cuda"] else "")))
     for gpu in info["gpus"]:
         rows.append((f"GPU {gpu['index']}", f"{gpu['name']}, sm_{gpu['capability']}: {_gpu_note(info, gpu)}"))

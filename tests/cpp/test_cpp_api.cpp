@@ -269,8 +269,9 @@ TEST(CppApi, BuildConfigLines) {
     ASSERT_NE(eq, std::string::npos) << line;
     keys.push_back(line.substr(0, eq));
   }
-  const std::vector<std::string> expected = {"version",      "compiler",   "cpu_isas",      "cuda",       "cuda_version",
-                                             "cuda_archs",   "cuda_sm90",  "cuda_headdims", "cuda_passes"};
+  const std::vector<std::string> expected = {"version",      "compiler",      "cpu_isas",    "cuda",
+                                             "cuda_version", "cuda_archs",    "cuda_sm90",   "cuda_headdims",
+                                             "cuda_passes",  "cuda_reason"};
   EXPECT_EQ(keys, expected);
   EXPECT_NE(config.find("version=" + flare::version() + "\n"), std::string::npos);
   EXPECT_NE(config.find(std::string("cuda=") + (flare::has_cuda() ? "1" : "0") + "\n"), std::string::npos);
