@@ -9,9 +9,11 @@
 #
 # AUTO builds the backend where nvcc 13 or newer is found: CMAKE_CUDA_COMPILER or CUDACXX if set, else nvcc on
 # PATH, in $CUDA_HOME/bin, $CUDA_PATH/bin or /usr/local/cuda/bin. ON requires it; OFF builds the CPU backend only.
+# A pip build with CUDA fetches the CUTLASS headers (nvidia-cutlass, with pip) unless FLARE_CUTLASS_DIR is set.
 
 set(FLARE_RELEASE_ARCHS "80;86;89;90")  # the release wheel's architectures, and FLARE_ARCHS's default
 set(FLARE_CUDA_MIN_VERSION 13.0)       # the nvcc flare is built and tested with (docs/install.md)
+set(FLARE_CUTLASS_VERSION 4.2.0.0)     # nvidia-cutlass, as scripts/ensure-cutlass.sh (a test checks they agree)
 
 set(FLARE_CUDA "" CACHE STRING "The CUDA backend: ON, OFF or AUTO (ON where nvcc ${FLARE_CUDA_MIN_VERSION}+ is found); empty: FLARE_ENABLE_CUDA")
 set_property(CACHE FLARE_CUDA PROPERTY STRINGS "" AUTO ON OFF)
@@ -86,6 +88,25 @@ if(FLARE_ENABLE_CUDA)
   endif()
   set(CMAKE_CUDA_STANDARD 20)
   set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+
+  # A pip build (SKBUILD) fetches the CuTe/CUTLASS headers itself, as scripts/ensure-cutlass.sh does: the pip of
+  # the build environment (pyproject.toml's build.requires), no dependencies, into this build tree, once.
+  set(_local_cutlass ${PROJECT_SOURCE_DIR}/build/deps/cutlass/cutlass_library/source/include)
+  if(SKBUILD AND NOT FLARE_CUTLASS_DIR AND NOT EXISTS ${_local_cutlass}/cute/tensor.hpp)
+    set(_dest ${CMAKE_BINARY_DIR}/deps/cutlass)
+    if(NOT EXISTS ${_dest}/cutlass_library/source/include/cute/tensor.hpp)
+      message(STATUS "flare: fetching the CuTe/CUTLASS headers: pip install --no-deps nvidia-cutlass==${FLARE_CUTLASS_VERSION}")
+      execute_process(COMMAND "${Python_EXECUTABLE}" -m pip install -q --no-deps --target "${_dest}"
+                              nvidia-cutlass==${FLARE_CUTLASS_VERSION}
+                      RESULT_VARIABLE _rc ERROR_VARIABLE _err)
+      if(NOT _rc EQUAL 0)
+        message(FATAL_ERROR "flare: fetching the CUTLASS headers with pip failed:\n${_err}\nSet FLARE_CUTLASS_DIR "
+                            "to a CUTLASS 4.x include directory, or build without CUDA (FLARE_CUDA=OFF).")
+      endif()
+    endif()
+    set(FLARE_CUTLASS_DIR ${_dest}/cutlass_library/source/include CACHE PATH
+        "Directory holding cute/ and cutlass/ (CUTLASS 4.x include dir)" FORCE)
+  endif()
 
   if(FLARE_ARCHS STREQUAL "native")
     # This machine's GPUs (e.g. "90-real;86-real"), those flare's kernels can run on: sm_80 and newer.

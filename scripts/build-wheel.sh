@@ -40,13 +40,13 @@ if [[ ! -x $tools/bin/python ]] || ! cmp -s scripts/wheel-requirements.txt "$too
   "$tools/bin/python" -m pip install -q -r scripts/wheel-requirements.txt
   cp scripts/wheel-requirements.txt "$tools/requirements.txt"
 fi
-cutlass=$("$tools/bin/python" -c 'import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include"))')
+[[ $cuda == ON ]] && scripts/ensure-cutlass.sh  # build/deps/cutlass, where CMake finds the headers
 archs=$(sed -n 's/^set(FLARE_RELEASE_ARCHS "\([^"]*\)").*/\1/p' cmake/FlareCuda.cmake)
 
 export SOURCE_DATE_EPOCH
 SOURCE_DATE_EPOCH=$(git log -1 --format=%ct)
 export FLARE_CUDA=$cuda FLARE_ARCHS=$archs CMAKE_BUILD_PARALLEL_LEVEL=$jobs
-export CMAKE_ARGS="-DFLARE_STATIC_CXX_RUNTIME=ON -DFLARE_SM90=AUTO -DFLARE_CUTLASS_DIR=$cutlass"
+export CMAKE_ARGS="-DFLARE_STATIC_CXX_RUNTIME=ON -DFLARE_SM90=AUTO"
 unset FLARE_WHEEL_LIBRARY
 
 build_once() {  # $1: build tree; prints the repaired wheel's path

@@ -33,6 +33,8 @@ def test_third_party_licences_are_documented():
     # The CUTLASS version the docs name is the one the build fetches.
     fetched = re.search(r"nvidia-cutlass==([\d.]+)", (REPO / "scripts" / "ensure-cutlass.sh").read_text()).group(1)
     assert f"nvidia-cutlass=={fetched}" in text
+    cmake = re.search(r"set\(FLARE_CUTLASS_VERSION ([\d.]+)\)", (REPO / "cmake" / "FlareCuda.cmake").read_text())
+    assert cmake and cmake.group(1) == fetched, "cmake/FlareCuda.cmake fetches another CUTLASS than ensure-cutlass.sh"
 
 
 def _python_blocks(markdown, heading):
