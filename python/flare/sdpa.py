@@ -49,6 +49,16 @@ def _flare_runs(attn_mask, dropout_p, window, scale):
 # flare does not run go back to them, so they cost what they cost without flare.
 _torch_kernels = {}
 _CPU = torch._C.DispatchKeySet("CPU")
+_OPS = {"fwd": "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "bwd": "aten::_scaled_dot_product_flash_attention_for_cpu_backward"}
+
+
+def _torch_kernel(pass_):
+    """torch's own CPU kernel of pass_ ("fwd" or "bwd"); taken before flare's registration (or now, while flare
+    is not registered: then the dispatcher's kernel is torch's)."""
+    if pass_ not in _torch_kernels:
+        _torch_kernels[pass_] = torch.library.get_kernel(_OPS[pass_], "CPU")
+    return _torch_kernels[pass_]
 
 
 def _like_meta_out(query, out):
@@ -64,7 +74,7 @@ def _sdpa_forward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mas
     window = _flare_window(sq, key.shape[-2], is_causal)
     flare_scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     if not _flare_runs(attn_mask, dropout_p, window, flare_scale):
-        return _torch_kernels["fwd"].call_boxed(_CPU, query, key, value, dropout_p, is_causal,
+        return _torch_kernel("fwd").call_boxed(_CPU, query, key, value, dropout_p, is_causal,
                                                 attn_mask=attn_mask, scale=scale)
     causal, left, right = window
     out, lse = ops.fwd(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None, None, None, 0,
@@ -82,7 +92,7 @@ def _sdpa_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_ca
     window = _flare_window(query.shape[-2], key.shape[-2], is_causal)
     flare_scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     if not _flare_runs(attn_mask, dropout_p, window, flare_scale):
-        return _torch_kernels["bwd"].call_boxed(_CPU, grad_out, query, key, value, out, logsumexp, dropout_p,
+        return _torch_kernel("bwd").call_boxed(_CPU, grad_out, query, key, value, out, logsumexp, dropout_p,
                                                 is_causal, attn_mask=attn_mask, scale=scale)
     causal, left, right = window
     t = lambda x: x.transpose(1, 2)  # noqa: E731
@@ -104,14 +114,9 @@ class _Handle:
             self._library = None
 
 
-_OPS = {"fwd": "aten::_scaled_dot_product_flash_attention_for_cpu",
-        "bwd": "aten::_scaled_dot_product_flash_attention_for_cpu_backward"}
-
-
 def _register_kernels():
-    for pass_, op in _OPS.items():
-        if pass_ not in _torch_kernels:
-            _torch_kernels[pass_] = torch.library.get_kernel(op, "CPU")
+    for pass_ in _OPS:
+        _torch_kernel(pass_)
     library = torch.library.Library("aten", "IMPL", "CPU")  # noqa: TOR901 (replacing aten kernels is the point)
     library.impl("_scaled_dot_product_flash_attention_for_cpu", _sdpa_forward, "CPU")
     library.impl("_scaled_dot_product_flash_attention_for_cpu_backward", _sdpa_backward, "CPU")
