@@ -10,8 +10,8 @@
 #
 # Reproducible: the Python tools are pinned (scripts/wheel-requirements.txt, in the virtual environment
 # build/wheel-tools), every file's time is the last commit's (SOURCE_DATE_EPOCH), build paths are mapped out of
-# the binaries, each build starts from an empty build tree, and libstdc++/libgcc are linked statically. The same
-# commit built with the same compilers (gcc, nvcc, cmake: docs/install.md) gives the same wheel.
+# the binaries and each build starts from an empty build tree: the same commit built with the same compilers
+# (gcc, nvcc, cmake: docs/install.md) gives the same wheel.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -46,7 +46,7 @@ archs=$(sed -n 's/^set(FLARE_RELEASE_ARCHS "\([^"]*\)").*/\1/p' cmake/FlareCuda.
 export SOURCE_DATE_EPOCH
 SOURCE_DATE_EPOCH=$(git log -1 --format=%ct)
 export FLARE_CUDA=$cuda FLARE_ARCHS=$archs CMAKE_BUILD_PARALLEL_LEVEL=$jobs
-export CMAKE_ARGS="-DFLARE_STATIC_CXX_RUNTIME=ON -DFLARE_SM90=AUTO"
+export CMAKE_ARGS="-DFLARE_SM90=AUTO"
 unset FLARE_WHEEL_LIBRARY
 
 build_once() {  # $1: build tree; prints the repaired wheel's path
@@ -56,7 +56,7 @@ build_once() {  # $1: build tree; prints the repaired wheel's path
   log "building (FLARE_CUDA=$cuda, archs $archs, $jobs jobs) in $tree"
   "$tools/bin/python" -m pip wheel . --no-deps --no-build-isolation -q -w "$tree/raw" -Cbuild-dir="$tree/build" >&2
   log "built in $((SECONDS - start)) s; auditwheel repair"
-  "$tools/bin/auditwheel" repair -q -w "$tree/repaired" "$tree"/raw/flare_attention-*.whl >&2
+  PATH="$PWD/$tools/bin:$PATH" "$tools/bin/auditwheel" repair -q -w "$tree/repaired" "$tree"/raw/flare_attention-*.whl >&2
   ls "$tree"/repaired/flare_attention-*.whl
 }
 

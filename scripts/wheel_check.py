@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 # What libflare.so may need: glibc's libraries, the GCC runtime and OpenMP (grafted by auditwheel as
 # libgomp-<hash>.so.1 in a repaired wheel). The CUDA runtime is linked statically; the driver is dlopened.
 ALLOWED_NEEDED = re.compile(r"^(libc\.so\.6|libm\.so\.6|libdl\.so\.2|libpthread\.so\.0|librt\.so\.1|"
-                            r"ld-linux-x86-64\.so\.2|libgcc_s\.so\.1|libstdc\+\+\.so\.6|libgomp(-[0-9a-f]+)?\.so\.1)$")
+                            r"ld-linux-x86-64\.so\.2|libgcc_s\.so\.1|libstdc\+\+\.so\.6|libgomp(-[0-9a-f]+)?\.so\.1(\.0\.0)?)$")
 NAME = re.compile(r"^flare_attention-(?P<version>[^-]+)-py3-none-(?P<platform>linux_x86_64|"
                   r"(manylinux_\d+_\d+_x86_64\.?)+)\.whl$")
 
@@ -70,14 +70,15 @@ def main():
         fail(f"{wheel.name}: version {version}, python/flare/__init__.py says {expected}")
 
     with zipfile.ZipFile(wheel) as z:
-        names = set(z.namelist())
+        names = {n for n in z.namelist() if not n.endswith("/")}  # a repaired wheel lists its folders too
         info = f"flare_attention-{version}.dist-info"
         wheel_meta = z.read(f"{info}/WHEEL").decode()
         metadata = z.read(f"{info}/METADATA").decode()
+        if "flare/libflare.so" not in names:
+            fail("no flare/libflare.so in the wheel")
         with tempfile.TemporaryDirectory() as tmp:
-            library = Path(z.extract("flare/libflare.so", tmp)) if "flare/libflare.so" in names else None
-            if library is None:
-                fail("no flare/libflare.so in the wheel")
+            z.extractall(tmp)  # the whole wheel: a repaired library finds its grafted OpenMP beside it
+            library = Path(tmp) / "flare/libflare.so"
             needed, glibc, glibcxx, exported = inspect_library(library)
             library_size = library.stat().st_size
             built = build_config(library)

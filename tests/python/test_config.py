@@ -45,7 +45,7 @@ def test_config_and_show_config():
 def test_self_check_passes():
     text = io.StringIO()
     assert flare.self_check(text)
-    assert "self-check cpu float32: ok" in text.getvalue()
+    assert "self-check cpu float32: ok, forward and backward" in text.getvalue()
 
 
 def test_self_check_catches_a_wrong_result(monkeypatch):
