@@ -39,7 +39,7 @@ if [[ $mode != wheel ]]; then
   if [[ $mode == library ]]; then
     [[ -f $library ]] || { log "no library at $library"; exit 1; }
     log "packaging $library (built and tested already: no compile)"
-    export FLARE_WHEEL_LIBRARY
+    export FLARE_WHEEL_LIBRARY FLARE_CUDA=OFF  # OFF: the build environment needs nothing for CUDA either
     FLARE_WHEEL_LIBRARY=$(realpath "$library")
   else
     export FLARE_CUDA=${FLARE_CUDA:-OFF}
