@@ -2,7 +2,9 @@
 
 Layers (each its own module; arrows point down):
   flash_attn_interface  flash-attn 2.x-compatible functions (re-exported here)
-  bert_padding          unpad_input / pad_input with flash-attn's signatures
+  bert_padding          unpad_input / pad_input / index_first_axis with flash-attn's signatures
+  rotary                apply_rotary_emb in plain torch, flash-attn's signature
+  flash_attn_compat     install(): `import flash_attn` resolves to flare (opt-in, never on import)
   integrations/         transformers: attn_implementation="flare"
   sdpa                  torch SDPA provider (where torch has the hook)
   ops                   torch custom ops flare::fwd / flare::bwd / flare::fwd_kvcache (+ autograd, fake)
