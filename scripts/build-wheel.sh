@@ -56,7 +56,7 @@ build_once() {  # $1: build tree; prints the repaired wheel's path
   log "building (FLARE_CUDA=$cuda, archs $archs, $jobs jobs) in $tree"
   "$tools/bin/python" -m pip wheel . --no-deps --no-build-isolation -q -w "$tree/raw" -Cbuild-dir="$tree/build" >&2
   log "built in $((SECONDS - start)) s; auditwheel repair"
-  PATH="$PWD/$tools/bin:$PATH" "$tools/bin/auditwheel" repair -q -w "$tree/repaired" "$tree"/raw/flare_attention-*.whl >&2
+  PATH="$PWD/$tools/bin:$PATH" "$tools/bin/auditwheel" repair -w "$tree/repaired" "$tree"/raw/flare_attention-*.whl >&2
   ls "$tree"/repaired/flare_attention-*.whl
 }
 
