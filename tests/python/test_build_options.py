@@ -72,7 +72,12 @@ def test_bad_value_is_an_error(tmp_path):
 def test_enable_cuda_off_still_means_off(tmp_path):
     run, config = _configure(tmp_path, "FLARE_ENABLE_CUDA=OFF")
     assert run.returncode == 0, run.stderr
-    assert config["cuda"] == "0"
+    assert config["cuda"] == "0" and config["cuda_reason"] == "FLARE_ENABLE_CUDA=OFF (FLARE_CUDA unset)"
+
+
+def test_enable_cuda_on_without_nvcc_is_an_error(tmp_path):
+    run, _ = _configure(tmp_path, "FLARE_ENABLE_CUDA=ON", f"CMAKE_CUDA_COMPILER={tmp_path}/missing/nvcc")
+    assert run.returncode != 0 and "FLARE_ENABLE_CUDA=ON (FLARE_CUDA unset) but no nvcc found" in run.stderr
 
 
 def _real_nvcc():
