@@ -10,6 +10,7 @@
 #      (scripts/check-clang.sh)
 #   3. the Python tests (pytest over tests/python: torch ops, flash_attn API, transformers, ring attention over
 #      gloo), with the pinned tests/python/requirements.txt installed by scripts/python-env.sh where missing
+#   3b. the Python wheel of that library: inspected, installed into a fresh venv, smoke-tested (check-wheel.sh)
 #   4. where nvcc is installed: the CUDA sources compiled (one head-dim tile of each pass, sm_80), so a
 #      compile error cannot land, and the library checked for symbols it lacks (a forward-only dispatcher
 #      too); one sm90 forward unit compiled for sm_90a and its machine code checked, the sm90 layouts checked
@@ -70,6 +71,9 @@ py=$(scripts/python-env.sh)  # a Python with the pinned tests/python/requirement
 # machine and can hand back graphs compiled against another checkout's flare ops.
 FLARE_LIBRARY="$PWD/build/release/src/libflare.so" HF_HUB_OFFLINE=1 TORCHINDUCTOR_CACHE_DIR="$PWD/build/torchinductor" \
   "$py" -m pytest tests/python -q -p no:cacheprovider
+
+stage "Python wheel: packaged, inspected, installed in a fresh venv, smoke-tested (scripts/check-wheel.sh)"
+scripts/check-wheel.sh --library build/release/src/libflare.so
 
 if command -v nvcc >/dev/null 2>&1; then
   stage "CUDA sources: compile check (FLARE_HEADDIMS=64, FLARE_ARCHS=80, both passes)"

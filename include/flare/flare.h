@@ -268,6 +268,21 @@ FLARE_API const char* flare_cpu_isa(void);
 /* 1 if this build has a CUDA backend, else 0. */
 FLARE_API int32_t flare_has_cuda(void);
 
+/* How this library was built, as "key=value" lines (each ended by '\n'; the key ends at the first '='):
+ *   version        the library version, as flare_version()
+ *   compiler       the C++ compiler and its version, e.g. "GNU 12.2.0"
+ *   cpu_isas       the CPU kernel levels compiled in, best first, e.g. "amx,avx512bf16,avx512,avx2,generic"
+ *                  (flare_cpu_isa() says which of them this machine runs)
+ *   cuda           1 with a CUDA backend, else 0 (as flare_has_cuda())
+ *   cuda_version   nvcc's version ("" without CUDA)
+ *   cuda_archs     the compute capabilities of the sm80-path kernels, e.g. "80,86,89,90" ("" without CUDA)
+ *   cuda_sm90      1 when the sm90a (Hopper) forward kernels are in, else 0
+ *   cuda_headdims  the head dims with CUDA kernels, e.g. "64,128" ("" without CUDA)
+ *   cuda_passes    the passes with CUDA kernels: "fwd,bwd", or one of them in a kernel-development build
+ *   cuda_reason    why the CUDA backend is in or out, e.g. "FLARE_CUDA=AUTO and no nvcc found (...)"
+ * Keys may be added in later versions; readers should ignore keys they do not know. The string is static. */
+FLARE_API const char* flare_build_config(void);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -53,6 +53,8 @@ inline std::string version() { return flare_version(); }
 inline std::string cpu_isa() { return flare_cpu_isa(); }
 // Whether this build of the library has a CUDA backend.
 inline bool has_cuda() { return flare_has_cuda() != 0; }
+// How the library was built, as flare_build_config() writes it ("key=value" lines).
+inline std::string build_config() { return flare_build_config(); }
 
 // ------------------------------------------------------------------------------------------------
 // 16-bit floating-point storage types

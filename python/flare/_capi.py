@@ -338,6 +338,17 @@ class Flare:
     def has_cuda(self):
         return bool(self._lib.flare_has_cuda())
 
+    def build_config(self):
+        """flare_build_config() as a dict of strings; None for a library older than that entry point."""
+        try:
+            fn = self._lib.flare_build_config
+        except AttributeError:
+            return None
+        fn.restype = c_char_p
+        fn.argtypes = []
+        lines = fn().decode().splitlines()
+        return dict(line.split("=", 1) for line in lines if "=" in line)
+
     # ---- params with every default set by the library
     def fwd_params(self):
         p = flare_fwd_params()

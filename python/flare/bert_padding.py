@@ -1,4 +1,5 @@
-"""Padding helpers with flash-attn 2.x's signatures (flash_attn.bert_padding): unpad_input, pad_input.
+"""Padding helpers with flash-attn 2.x's signatures (flash_attn.bert_padding): unpad_input, pad_input,
+index_first_axis, index_put_first_axis.
 
 unpad_input turns a padded batch (batch, seqlen, ...) plus a (batch, seqlen) mask into the varlen layout
 (total, ...) that flash_attn_varlen_func takes; pad_input scatters a varlen result back.
@@ -7,7 +8,7 @@ unpad_input turns a padded batch (batch, seqlen, ...) plus a (batch, seqlen) mas
 import torch
 import torch.nn.functional as F
 
-__all__ = ["unpad_input", "pad_input"]
+__all__ = ["unpad_input", "pad_input", "index_first_axis", "index_put_first_axis"]
 
 
 def unpad_input(hidden_states, attention_mask, unused_mask=None):
@@ -31,3 +32,16 @@ def pad_input(hidden_states, indices, batch, seqlen):
     out = hidden_states.new_zeros(batch * seqlen, *hidden_states.shape[1:])
     out = out.index_put((indices,), hidden_states)
     return out.reshape(batch, seqlen, *hidden_states.shape[1:])
+
+
+def index_first_axis(input, indices):
+    """input (first_axis, ...), indices (n,) -> input[indices] (n, ...): the rows of the flattened batch that
+    unpad_input kept. Differentiable (the gradient scatters back, zeros elsewhere)."""
+    return input[indices]
+
+
+def index_put_first_axis(values, indices, first_axis_dim):
+    """values (n, ...), indices (n,) -> (first_axis_dim, ...) with values at indices and zeros elsewhere: the
+    inverse of index_first_axis. Differentiable."""
+    out = values.new_zeros(first_axis_dim, *values.shape[1:])
+    return out.index_put((indices,), values)

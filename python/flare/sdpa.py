@@ -10,8 +10,9 @@ flare (CUDA's _scaled_dot_product_flash_attention is to follow with the CUDA bac
 differ from FlashAttention's in two ways handled here: (batch, nheads, seqlen, headdim) layout (a transpose,
 no copy) and top-left causal alignment (for seqlen_q > seqlen_k it is flare's window (-1, seqlen_q -
 seqlen_k); for seqlen_q < seqlen_k flare cannot express it). Calls flare cannot run as asked (an attn_mask,
-dropout, top-left causal with seqlen_q < seqlen_k, a scale of 0) are computed by a plain math path in this
-module, so activating never changes results, only where they come from.
+dropout, top-left causal with seqlen_q < seqlen_k, a scale of 0), forward and backward, go to torch's own
+kernels, taken before flare replaced them: activating never changes those calls' results, speed or memory.
+Outputs have the strides of torch's meta functions, which torch.compile checks.
 """
 
 import math
@@ -38,73 +39,67 @@ def _flare_window(sq, sk, is_causal):
     return None
 
 
-def _flare_runs(attn_mask, window, scale):
-    """Whether flare computes this call as asked: no attn_mask, a causal alignment it can express, and a scale
-    its fp32 field holds (a scale that is or rounds to 0 would read there as the default 1/sqrt(headdim))."""
-    return attn_mask is None and window is not None and _checks.fp32(scale) != 0
+def _flare_runs(attn_mask, dropout_p, window, scale):
+    """Whether flare computes this call as asked: no attn_mask, no dropout, a causal alignment it can express,
+    and a scale its fp32 field holds (a scale that is or rounds to 0 would read there as the default)."""
+    return attn_mask is None and dropout_p == 0.0 and window is not None and _checks.fp32(scale) != 0
 
 
-def _math_scores(query, key, attn_mask, is_causal, scale):
-    """Scores in fp32+ for the math path, masks applied; key already has query's head count."""
-    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
-    s = torch.matmul(query.to(acc), key.to(acc).transpose(-1, -2)) * scale
-    sq, sk = s.shape[-2], s.shape[-1]
-    if is_causal:
-        s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(), float("-inf"))
-    if attn_mask is not None:
-        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask.to(acc)
-    return s
+# torch's own kernels of the two ops, taken (torch.library.get_kernel) before flare replaces them: the calls
+# flare does not run go back to them, so they cost what they cost without flare.
+_torch_kernels = {}
+_CPU = torch._C.DispatchKeySet("CPU")
+_OPS = {"fwd": "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "bwd": "aten::_scaled_dot_product_flash_attention_for_cpu_backward"}
 
 
-def _expand_kv(query, t):
-    return t.repeat_interleave(query.shape[1] // t.shape[1], dim=1) if t.shape[1] != query.shape[1] else t
+def _torch_kernel(pass_):
+    """torch's own CPU kernel of pass_ ("fwd" or "bwd"); taken before flare's registration (or now, while flare
+    is not registered: then the dispatcher's kernel is torch's)."""
+    if pass_ not in _torch_kernels:
+        _torch_kernels[pass_] = torch.library.get_kernel(_OPS[pass_], "CPU")
+    return _torch_kernels[pass_]
+
+
+def _like_meta_out(query, out):
+    """out in the strides of torch's meta function (empty_like(query)): torch.compile checks them."""
+    want = torch.empty_like(query, device="meta")
+    if out.stride() == want.stride():
+        return out
+    return torch.empty_like(query).copy_(out)
 
 
 def _sdpa_forward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"flare SDPA provider: dropout_p={dropout_p} is not supported")
-    sq, sk = query.shape[-2], key.shape[-2]
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    window = _flare_window(sq, sk, is_causal)
+    sq = query.shape[-2]
+    window = _flare_window(sq, key.shape[-2], is_causal)
+    flare_scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    if not _flare_runs(attn_mask, dropout_p, window, flare_scale):
+        return _torch_kernel("fwd").call_boxed(_CPU, query, key, value, dropout_p, is_causal,
+                                                attn_mask=attn_mask, scale=scale)
+    causal, left, right = window
+    out, lse = ops.fwd(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None, None, None, 0,
+                       0, None, float(flare_scale), causal, left, right, 0.0, False)
+    # As torch's kernel and its meta function: logsumexp (batch, nheads, seqlen_q) in the memory order
+    # (batch, seqlen_q, nheads), in the inputs' accumulation type (fp64 for fp64, else fp32).
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
-    if _flare_runs(attn_mask, window, scale):
-        causal, left, right = window
-        out, lse = ops.fwd(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None, None, None, 0,
-                           0, None, float(scale), causal, left, right, 0.0, False)
-        return out.transpose(1, 2), lse.to(acc)
-    s = _math_scores(query, _expand_kv(query, key), attn_mask, is_causal, scale)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
-    out = torch.matmul(p, _expand_kv(query, value).to(acc)).to(query.dtype)
-    return out, lse
+    b, h = query.shape[0], query.shape[1]
+    logsumexp = torch.empty(b, sq, h, dtype=acc, device=query.device).transpose(1, 2).copy_(lse)
+    return _like_meta_out(query, out.transpose(1, 2)), logsumexp
 
 
 def _sdpa_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None,
                    scale=None):
-    sq, sk = query.shape[-2], key.shape[-2]
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    window = _flare_window(sq, sk, is_causal)
-    if _flare_runs(attn_mask, window, scale) and dropout_p == 0.0:
-        causal, left, right = window
-        t = lambda x: x.transpose(1, 2)  # noqa: E731
-        dq, dk, dv = ops.bwd(t(grad_out), t(query), t(key), t(value), t(out), logsumexp.float(), None, None,
-                             None, 0, 0, None, float(scale), causal, left, right, 0.0, False)
-        return t(dq), t(dk), t(dv)
-    # math path: dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O)), dQ = dS K · scale, dK = dSᵀ Q · scale
-    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
-    k, v = _expand_kv(query, key).to(acc), _expand_kv(query, value).to(acc)
-    s = _math_scores(query, k, attn_mask, is_causal, scale)
-    p = torch.exp(s - logsumexp.to(acc).unsqueeze(-1)).nan_to_num(0.0)
-    do = grad_out.to(acc)
-    dv = torch.matmul(p.transpose(-1, -2), do)
-    ds = p * (torch.matmul(do, v.transpose(-1, -2)) - (do * out.to(acc)).sum(-1, keepdim=True))
-    dq = torch.matmul(ds, k) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), query.to(acc)) * scale
-    group = query.shape[1] // key.shape[1]
-    if group != 1:  # sum the query heads of each kv head
-        dk = dk.unflatten(1, (key.shape[1], group)).sum(2)
-        dv = dv.unflatten(1, (key.shape[1], group)).sum(2)
-    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
+    window = _flare_window(query.shape[-2], key.shape[-2], is_causal)
+    flare_scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    if not _flare_runs(attn_mask, dropout_p, window, flare_scale):
+        return _torch_kernel("bwd").call_boxed(_CPU, grad_out, query, key, value, out, logsumexp, dropout_p,
+                                                is_causal, attn_mask=attn_mask, scale=scale)
+    causal, left, right = window
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    # flare's dq/dk/dv are (batch, seqlen, nheads, headdim) in memory: the layout torch's meta function gives.
+    dq, dk, dv = ops.bwd(t(grad_out), t(query), t(key), t(value), t(out), logsumexp.float(), None, None,
+                         None, 0, 0, None, float(flare_scale), causal, left, right, 0.0, False)
+    return t(dq), t(dk), t(dv)
 
 
 class _Handle:
@@ -120,6 +115,8 @@ class _Handle:
 
 
 def _register_kernels():
+    for pass_ in _OPS:
+        _torch_kernel(pass_)
     library = torch.library.Library("aten", "IMPL", "CPU")  # noqa: TOR901 (replacing aten kernels is the point)
     library.impl("_scaled_dot_product_flash_attention_for_cpu", _sdpa_forward, "CPU")
     library.impl("_scaled_dot_product_flash_attention_for_cpu_backward", _sdpa_backward, "CPU")

@@ -257,6 +257,27 @@ TEST(CppApi, IntrospectionMatchesC) {
   EXPECT_STREQ(flare_status_string(static_cast<flare_status>(7)), "FLARE_UNKNOWN_STATUS");
 }
 
+TEST(CppApi, BuildConfigLines) {
+  const std::string config = flare::build_config();
+  ASSERT_FALSE(config.empty());
+  EXPECT_EQ(config.back(), '\n');
+  std::vector<std::string> keys;
+  size_t start = 0;
+  for (size_t end; (end = config.find('\n', start)) != std::string::npos; start = end + 1) {
+    const std::string line = config.substr(start, end - start);
+    const size_t eq = line.find('=');
+    ASSERT_NE(eq, std::string::npos) << line;
+    keys.push_back(line.substr(0, eq));
+  }
+  const std::vector<std::string> expected = {"version",      "compiler",      "cpu_isas",    "cuda",
+                                             "cuda_version", "cuda_archs",    "cuda_sm90",   "cuda_headdims",
+                                             "cuda_passes",  "cuda_reason"};
+  EXPECT_EQ(keys, expected);
+  EXPECT_NE(config.find("version=" + flare::version() + "\n"), std::string::npos);
+  EXPECT_NE(config.find(std::string("cuda=") + (flare::has_cuda() ? "1" : "0") + "\n"), std::string::npos);
+  EXPECT_NE(config.find(flare::cpu_isa()), std::string::npos);
+}
+
 TEST(CppApi, ParamsInitDefaults) {
   flare_fwd_params f;
   std::memset(&f, 0x5a, sizeof f);

@@ -142,3 +142,61 @@ def test_unknown_name_without_register_is_rejected():
     config = transformers.LlamaConfig(**COMMON)
     with pytest.raises(ValueError):
         transformers.AutoModelForCausalLM.from_config(config, attn_implementation="flare_not_registered")
+
+
+def _greedy(model, prompt, n):
+    ids = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    return ids[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_continuous_batching_runs_through_flare(name, monkeypatch):
+    """model.generate_batch (transformers' continuous batching) switches a "flare" model to "paged|flare":
+    every request's tokens equal greedy generate() with eager attention."""
+    import transformers.generation.continuous_batching.cache as cb_cache
+
+    # On the CPU transformers sizes the paged cache from psutil's free memory; give it a fixed budget instead.
+    monkeypatch.setattr(cb_cache, "get_device_and_memory_breakdown", lambda: (torch.device("cpu"), 1 << 30, 0, 0))
+    calls = []
+    real = flare_hf.flash_attn_varlen_func
+    monkeypatch.setattr(flare_hf, "flash_attn_varlen_func", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    model = make_model(name, "flare")
+    prompts = [[1, 2, 3, 4, 9, 10, 11], [5, 6, 7], [8] * 12]
+    config = transformers.GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    out = model.generate_batch(prompts, generation_config=config, warmup=False,
+                               continuous_batching_config=transformers.ContinuousBatchingConfig(num_blocks=16,
+                                                                                                max_batch_tokens=64))
+    assert calls, "continuous batching did not run through flare"  # (generate_batch restores "flare" after)
+    model.set_attn_implementation("eager")
+    for i, prompt in enumerate(prompts):
+        assert out[f"req_{i}"].generated_tokens == _greedy(model, prompt, 6), i
+
+
+def test_paged_flare_needs_the_paged_cache():
+    model = make_model("llama", "flare")
+    model.set_attn_implementation("paged|flare")
+    with pytest.raises(ValueError, match="paged\\|flare' is for continuous batching"):
+        model(torch.randint(0, VOCAB, (1, 5)))
+
+
+def test_static_cache_compiled_generate_fullgraph(monkeypatch, tmp_path):
+    """generate() with a static cache, compiled with fullgraph=True (transformers drops fullgraph for
+    flash-named implementations; "flare" needs no such relaxing): no graph break, left padding, same tokens
+    as eager."""
+    traced = []
+    real = flare_hf._masked_without_host_sync
+    monkeypatch.setattr(flare_hf, "_masked_without_host_sync",
+                        lambda *a: traced.append(torch.compiler.is_compiling()) or real(*a))
+    torch._dynamo.reset()
+    model = make_model("llama", "flare")
+    ids = torch.randint(1, VOCAB, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    compile_config = transformers.CompileConfig(fullgraph=True, dynamic=False)
+    compile_config._compile_all_devices = True  # transformers compiles on GPUs only unless told
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                         cache_implementation="static", compile_config=compile_config)
+    assert compile_config.fullgraph and traced and all(traced), "the compiled graph did not take flare's path"
+    model.set_attn_implementation("eager")
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert out[:, 9:].tolist() == ref[:, 9:].tolist()

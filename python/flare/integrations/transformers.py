@@ -16,6 +16,11 @@ three routes, as FA2's does:
 GQA/MQA key/value heads go in as they are (no repeat_kv); with a cache, seqlen_q < seqlen_k and causal is
 aligned bottom-right. sliding_window w becomes window_size (w - 1, w - 1), softcap is passed on.
 Not supported: s_aux (attention sinks) and attention dropout > 0 (NotImplementedError).
+
+Under torch.compile nothing is read on the host: a padding mask is passed as each row's run of valid keys
+(cu_seqlens_k + seqused_k), so the static-cache compiled generate() runs with fullgraph=True; the mask
+function (flare_attention_mask) likewise skips FA2's host-side "is anything padded?" test while compiling.
+register() also adds "paged|flare" (flare_paged_attention_forward) for continuous batching (generate_batch).
 """
 
 import torch
@@ -45,6 +50,27 @@ def _is_packed(position_ids, batch):
     return bool((position_ids.reshape(-1) != expected).any())
 
 
+def _masked_without_host_sync(q, k, v, attention_mask, options):
+    """The padding-mask route with no data-dependent shape or host read, for torch.compile(fullgraph=True)
+    (the static-cache compiled generate()): no unpadding. Each row's keys are the run of ones in its mask
+    (left padding before it, unused static-cache slots after it), given to flash_attn_varlen_func as the
+    sequence that starts at the run's first key (cu_seqlens_k) and holds its length (seqused_k); queries are
+    all seqlen_q rows of each sequence, padding included (their output is not used). Holes inside a run are
+    not supported here: generate() makes none."""
+    batch, seqlen_q = q.shape[0], q.shape[1]
+    mask = attention_mask.bool()
+    seqlen_k = mask.shape[1]
+    k, v = k[:, :seqlen_k], v[:, :seqlen_k]  # static caches can be longer than the mask
+    used = mask.sum(dim=-1, dtype=torch.int32)
+    first = mask.to(torch.int32).argmax(dim=-1).to(torch.int32)  # the first key of each row's run
+    rows = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+    cu_k = rows * seqlen_k + torch.nn.functional.pad(first, (0, 1))
+    flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
+    out = flash_attn_varlen_func(flat(q), flat(k), flat(v), rows * seqlen_q, cu_k, seqlen_q, seqlen_k,
+                                 seqused_k=used, **options)
+    return out.reshape(batch, seqlen_q, *out.shape[1:])
+
+
 def flare_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                             sliding_window=None, softcap=None, is_causal=None, s_aux=None, **kwargs):
     """transformers' attention-function signature: query (batch, nheads, seqlen_q, headdim), key/value
@@ -65,6 +91,8 @@ def flare_attention_forward(module, query, key, value, attention_mask, dropout=0
     position_ids = kwargs.get("position_ids")
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
 
+    if attention_mask is not None and torch.compiler.is_compiling():
+        return _masked_without_host_sync(q, k, v, attention_mask, options), None
     if attention_mask is not None:
         mask = attention_mask.bool()
         k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]  # static caches can be longer than the mask
@@ -80,7 +108,7 @@ def flare_attention_forward(module, query, key, value, attention_mask, dropout=0
     if cu_q is not None and cu_k is not None:
         max_q = kwargs.get("max_length_q") or int((cu_q[1:] - cu_q[:-1]).max())
         max_k = kwargs.get("max_length_k") or int((cu_k[1:] - cu_k[:-1]).max())
-    elif _is_packed(position_ids, batch):
+    elif not torch.compiler.is_compiling() and _is_packed(position_ids, batch):
         cu_q, max_q = _packed_cu_seqlens(position_ids)
         cu_k, max_k = cu_q, max_q
     else:
@@ -91,11 +119,60 @@ def flare_attention_forward(module, query, key, value, attention_mask, dropout=0
     return out.reshape(batch, -1, *out.shape[1:]), None
 
 
+def flare_paged_attention_forward(module, query, key, value, attention_mask=None, cache=None, cu_seq_lens_q=None,
+                                  cu_seq_lens_k=None, max_seqlen_q=None, max_seqlen_k=None, block_table=None,
+                                  **kwargs):
+    """attn_implementation="paged|flare": transformers' continuous batching (generate_batch, serving). The
+    new tokens of every request come packed in one row: query (1, nheads, total_q, headdim), key/value
+    (1, nheads_k, total_new, headdim). They are written into the PagedAttentionCache at write_index, each
+    request's keys read back at read_index (cache.update), and attention runs as one flash_attn_varlen_func
+    call over cu_seq_lens_q / cu_seq_lens_k, causal (aligned bottom-right: a request's new tokens follow its
+    cached ones). Returns (attn_output (total_q, nheads, headdim), None)."""
+    if cache is None or "read_index" not in kwargs or "write_index" not in kwargs:
+        raise ValueError("flare: attn_implementation='paged|flare' is for continuous batching: it needs "
+                         "transformers' PagedAttentionCache and its read/write indices (use 'flare' otherwise)")
+    if block_table is not None:
+        raise NotImplementedError("flare: paged|flare reads the cache through read_index; a block_table "
+                                  "(transformers' fused decode path) is not supported")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("flare: s_aux (attention sinks) is not supported")
+    sliding_window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    window = (-1, -1) if not sliding_window else (sliding_window - 1, 0)
+    if isinstance(cu_seq_lens_k, dict):  # models mixing full and sliding layers keep one set per layer type
+        layer_type = "sliding_attention" if sliding_window else "full_attention"
+        cu_seq_lens_k, max_seqlen_k = cu_seq_lens_k[layer_type], max_seqlen_k[layer_type]
+    k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                        read_index=kwargs["read_index"], write_index=kwargs["write_index"])
+    out = flash_attn_varlen_func(query.transpose(1, 2).squeeze(0), k, v, cu_seq_lens_q.to(torch.int32),
+                                 cu_seq_lens_k.to(torch.int32), max_seqlen_q, max_seqlen_k,
+                                 softmax_scale=kwargs.get("scaling", getattr(module, "scaling", None)),
+                                 causal=True, window_size=window, softcap=kwargs.get("softcap") or 0.0)
+    return out, None
+
+
+def flare_attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                         attention_mask=None, **kwargs):
+    """The mask function of attn_implementation="flare": transformers' flash-attention one (the 2D padding mask,
+    or None when nothing is padded), except under torch.compile, where the "is anything padded?" test would read
+    the mask on the host and break the graph: there the 2D mask is always returned, and the attention function
+    takes the route that needs no host read."""
+    from transformers.masking_utils import flash_attention_mask
+
+    if attention_mask is not None and torch.compiler.is_compiling():
+        return attention_mask[:, -kv_length:]
+    extra = {} if mask_function is None else {"mask_function": mask_function}
+    return flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
+                                **extra, **kwargs)
+
+
 def register(name: str = NAME):
-    """Make attn_implementation=name (default "flare") available to every transformers model."""
+    """Make attn_implementation=name (default "flare") available to every transformers model, and
+    "paged|<name>" for continuous batching (model.generate_batch, which switches a model loaded with
+    attn_implementation=name to it by itself)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(name, flare_attention_forward)
-    AttentionMaskInterface.register(name, flash_attention_mask)
+    AttentionMaskInterface.register(name, flare_attention_mask)
+    AttentionInterface.register(f"paged|{name}", flare_paged_attention_forward)
     return name
