@@ -62,57 +62,50 @@ inline void screen_value_block(const Problem& p, const RowPtr& vrows, int64_t se
   zero_nonfinite(packed, packed_dtype, count);
 }
 
-// After a block's O += P V (keys [j0, j0 + cols), flags as screen_value_block left them) for rows
-// [i0, i0 + rows) of head h: each row adds the non-finite values of the flagged keys it sees to its
-// accumulator o (row r at o + r * ldo).
-template <class Acc>
-inline void add_seen_nonfinite_values(const Problem& p, const Sequence& seq, int64_t h, const uint8_t* flags,
-                                      int64_t j0, int64_t cols, int64_t i0, int64_t rows, Acc* o, int64_t ldo) {
+// Rows [i0, i0 + rows) of head h after a block product over keys [j0, j0 + cols) whose flagged keys (flags[jj]
+// for key j0 + jj) had their non-finite values zeroed in the pack: each row r adds weight(r, jj) times the
+// non-finite values of `operand`'s flagged rows it sees to its accumulator out (row r at out + r * ld), as the
+// product would have with them in place.
+template <class Acc, class Weight>
+inline void add_seen_nonfinite(const Problem& p, const Sequence& seq, int64_t h, const detail::Operand& operand,
+                               int64_t dim, const uint8_t* flags, int64_t j0, int64_t cols, int64_t i0, int64_t rows,
+                               Weight weight, Acc* out, int64_t ld) {
   bool any = false;
   for (int64_t c = 0; c < cols; ++c) any |= flags[c] != 0;
   if (!any) return;
-  const RowPtr vrows = key_rows(p, p.v, seq, h / (p.nheads / p.nheads_k));
+  const RowPtr key_row = key_rows(p, operand, seq, h / (p.nheads / p.nheads_k));
   const policy::WindowMask mask = seq.mask(p);
-  double v[256];  // head dims are at most 256
+  double x[256];  // head dims are at most 256
   for (int64_t r = 0; r < rows; ++r) {
     const policy::KeyRange keys = mask.keys_of(i0 + r);
     const int64_t first = smax(smax<int64_t>(keys.first, 0), j0);
     const int64_t last = smin(smin<int64_t>(keys.last, seq.seqlen_k - 1), j0 + cols - 1);
     for (int64_t j = first; j <= last; ++j) {
       if (!flags[j - j0]) continue;
-      load_row<double>(vrows.row(j), p.dtype, v, p.headdim_v, 1.0);
-      for (int64_t c = 0; c < p.headdim_v; ++c)
-        if (!std::isfinite(v[c])) o[r * ldo + c] += static_cast<Acc>(v[c]);
+      load_row<double>(key_row.row(j), p.dtype, x, dim, 1.0);
+      const Acc w = weight(r, j - j0);
+      for (int64_t c = 0; c < dim; ++c)
+        if (!std::isfinite(x[c])) out[r * ld + c] += w * static_cast<Acc>(x[c]);
     }
   }
 }
 
-// The backward's counterpart for K (backward.hpp): after a block's dQ += dS K (keys [j0, j0 + cols), flags[jj]
-// set where key j0 + jj's K row holds a NaN or infinity, zeroed in the pack) for rows [i0, i0 + rows) of head
-// h, each row adds dS(r, j) times the non-finite values of the flagged keys it sees to its accumulator dq (row
-// r at dq + r * lddq; dS row r at ds + r * ldds), as the product would have with them in place.
+// The forward: after O += P V, each row adds the non-finite V values of the flagged keys it sees (weight 1).
+template <class Acc>
+inline void add_seen_nonfinite_values(const Problem& p, const Sequence& seq, int64_t h, const uint8_t* flags,
+                                      int64_t j0, int64_t cols, int64_t i0, int64_t rows, Acc* o, int64_t ldo) {
+  add_seen_nonfinite<Acc>(p, seq, h, p.v, p.headdim_v, flags, j0, cols, i0, rows,
+                          [](int64_t, int64_t) { return Acc{1}; }, o, ldo);
+}
+
+// The backward (backward.hpp): after dQ += dS K, each row adds dS(r, j) times the non-finite K values of the
+// flagged keys it sees (dS row r at ds + r * ldds).
 template <class T>
 inline void add_seen_nonfinite_keys(const Problem& p, const Sequence& seq, int64_t h, const uint8_t* flags, int64_t j0,
                                     int64_t cols, int64_t i0, int64_t rows, const T* ds, int64_t ldds, T* dq,
                                     int64_t lddq) {
-  bool any = false;
-  for (int64_t c = 0; c < cols; ++c) any |= flags[c] != 0;
-  if (!any) return;
-  const RowPtr krows = key_rows(p, p.k, seq, h / (p.nheads / p.nheads_k));
-  const policy::WindowMask mask = seq.mask(p);
-  double k[256];  // head dims are at most 256
-  for (int64_t r = 0; r < rows; ++r) {
-    const policy::KeyRange keys = mask.keys_of(i0 + r);
-    const int64_t first = smax(smax<int64_t>(keys.first, 0), j0);
-    const int64_t last = smin(smin<int64_t>(keys.last, seq.seqlen_k - 1), j0 + cols - 1);
-    for (int64_t j = first; j <= last; ++j) {
-      if (!flags[j - j0]) continue;
-      load_row<double>(krows.row(j), p.dtype, k, p.headdim, 1.0);
-      const T weight = ds[r * ldds + (j - j0)];
-      for (int64_t c = 0; c < p.headdim; ++c)
-        if (!std::isfinite(k[c])) dq[r * lddq + c] += weight * static_cast<T>(k[c]);
-    }
-  }
+  add_seen_nonfinite<T>(p, seq, h, p.k, p.headdim, flags, j0, cols, i0, rows,
+                        [&](int64_t r, int64_t jj) { return ds[r * ldds + jj]; }, dq, lddq);
 }
 
 }  // namespace flare::cpu::FLARE_ISA
