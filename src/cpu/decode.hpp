@@ -78,8 +78,26 @@ struct DecodeScratch {
 // rows whose head dim is a whole number of vectors, the cache rows themselves (ptrs[jj]).
 inline void stage_rows(const Problem& p, const RowPtr& rows, int64_t j0, int64_t n, int64_t d, int64_t ld,
                        float* stage, const float** ptrs) {
+  constexpr int W = Simd<float>::W;
   if (p.dtype == FLARE_DTYPE_F32 && d == ld) {
     for (int64_t jj = 0; jj < n; ++jj) ptrs[jj] = reinterpret_cast<const float*>(rows.row(j0 + jj));
+    return;
+  }
+  if (p.dtype == FLARE_DTYPE_BF16 && d == ld) {
+    // bf16 -> fp32 is a 16-bit shift: W lanes widened and shifted per step (the scalar loop did not vectorise).
+    typedef uint16_t Half __attribute__((vector_size(W * 2)));
+    typedef uint32_t Word __attribute__((vector_size(W * 4)));
+    for (int64_t jj = 0; jj < n; ++jj) {
+      const char* src = rows.row(j0 + jj);
+      float* dst = stage + jj * ld;
+      for (int64_t c = 0; c < d; c += W) {
+        Half h;
+        std::memcpy(&h, src + c * 2, sizeof(h));
+        const Word w = __builtin_convertvector(h, Word) << 16;
+        std::memcpy(dst + c, &w, sizeof(w));
+      }
+      ptrs[jj] = dst;
+    }
     return;
   }
   for (int64_t jj = 0; jj < n; ++jj) {
@@ -126,8 +144,15 @@ inline void decode_split(const Problem& p, const DecodeScratch& ws, const Decode
   const RowPtr krows = key_rows(p, p.k, seq, hk), vrows = key_rows(p, p.v, seq, hk);
   const float* kp[C];
   const float* vp[C];
+  const int64_t es = dtype_size(p.dtype);
   for (int64_t jc = j0; jc < j1; jc += C) {
     const int64_t n = smin(C, j1 - jc);
+    // The next chunk's rows, requested now: a head's rows sit a head stride apart (kilobytes), which the
+    // hardware prefetchers follow poorly, and decoding is bound by these reads.
+    for (int64_t jj = jc + C; jj < smin(jc + 2 * C, j1); ++jj) {
+      prefetch_row(krows.row(jj), p.headdim * es);
+      prefetch_row(vrows.row(jj), p.headdim_v * es);
+    }
     stage_rows(p, krows, jc, n, p.headdim, dp, t.k, kp);
     for (int64_t r = 0; r < R; ++r) {
       float* s = t.s + r * C;
@@ -169,13 +194,32 @@ inline void decode_split(const Problem& p, const DecodeScratch& ws, const Decode
       t.m[r] = m_new;
     }
     stage_rows(p, vrows, jc, n, p.headdim_v, dvp, t.v, vp);
+    // O += P V, four vectors of a row's output held in registers across the chunk's keys.
     for (int64_t r = 0; r < R; ++r) {
       const float* pr = t.s + r * C;
       float* o = t.o + r * dvp;
-      for (int64_t jj = 0; jj < n; ++jj) {
-        if (pr[jj] == 0.0f) continue;  // unseen (masked) keys: their values never reach o, even NaN ones
-        const V pv = vset(pr[jj]);
-        for (int64_t c = 0; c < dvp; c += W) vstore(o + c, vload(o + c) + pv * vload(vp[jj] + c));
+      int64_t c = 0;
+      for (; c + 4 * W <= dvp; c += 4 * W) {
+        V o0 = vload(o + c), o1 = vload(o + c + W), o2 = vload(o + c + 2 * W), o3 = vload(o + c + 3 * W);
+        for (int64_t jj = 0; jj < n; ++jj) {
+          if (pr[jj] == 0.0f) continue;  // unseen (masked) keys: their values never reach o, even NaN ones
+          const V pv = vset(pr[jj]);
+          const float* v = vp[jj] + c;
+          o0 += pv * vload(v);
+          o1 += pv * vload(v + W);
+          o2 += pv * vload(v + 2 * W);
+          o3 += pv * vload(v + 3 * W);
+        }
+        vstore(o + c, o0);
+        vstore(o + c + W, o1);
+        vstore(o + c + 2 * W, o2);
+        vstore(o + c + 3 * W, o3);
+      }
+      for (; c < dvp; c += W) {
+        V acc = vload(o + c);
+        for (int64_t jj = 0; jj < n; ++jj)
+          if (pr[jj] != 0.0f) acc += vset(pr[jj]) * vload(vp[jj] + c);
+        vstore(o + c, acc);
       }
     }
   }
