@@ -11,6 +11,7 @@ libflare is loaded on first use, not at import (see _capi for where it is looked
 """
 
 from . import ops
+from .ops import merge_attention_states
 from ._capi import FlareArgumentError, FlareCudaError, FlareError, library
 from .flash_attn_interface import (
     flash_attn_func,
@@ -54,6 +55,7 @@ __all__ = [
     "flash_attn_with_kvcache",
     "has_cuda",
     "library",
+    "merge_attention_states",
     "ops",
     "version",
 ]
