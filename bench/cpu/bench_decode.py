@@ -188,9 +188,12 @@ def parse_args(argv=None):
     p.add_argument("--max-cache-gib", type=float, default=12.0, help="skip rows whose caches exceed this")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.quick:
-        args.batches, args.kv_lens, args.max_runs, args.budget_s = [1, 4], [2048, 8192], 3, 0.3
-        args.rotate_mib, args.max_cache_gib = 64.0, 1.0
+    if args.quick:  # smaller defaults; shapes given on the command line stay
+        if args.batches == BATCHES:
+            args.batches = [1, 4]
+        if args.kv_lens == KV_LENS:
+            args.kv_lens = [2048, 8192]
+        args.max_runs, args.budget_s, args.rotate_mib, args.max_cache_gib = 3, 0.3, 64.0, 1.0
     return args
 
 

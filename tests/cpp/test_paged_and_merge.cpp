@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "attention_harness.hpp"
+#include "flare/flare.hpp"
 
 namespace flare::test {
 namespace {
@@ -475,6 +476,45 @@ TEST(MergeStates, VarlenLayoutAndBadInput) {
         EXPECT_NEAR(got[i], want, 2 * unit_roundoff(FLARE_DTYPE_BF16) * std::max(1.0, std::abs(want)) + 1e-6);
       }
     }
+}
+
+TEST(MergeStates, CppApiIsTheCAbi) {
+  Rng rng;
+  HostTensor oa = HostTensor::contiguous(FLARE_DTYPE_F32, {2, 3, 2, 5}), ob = HostTensor::contiguous(FLARE_DTYPE_F32, {2, 3, 2, 5});
+  HostTensor la = HostTensor::contiguous(FLARE_DTYPE_F32, {2, 2, 3}), lb = HostTensor::contiguous(FLARE_DTYPE_F32, {2, 2, 3});
+  for (HostTensor* t : {&oa, &ob, &la, &lb}) t->fill_normal(rng);
+  HostTensor c_out = HostTensor::contiguous(FLARE_DTYPE_F32, {2, 3, 2, 5}), cpp_out = HostTensor::contiguous(FLARE_DTYPE_F32, {2, 3, 2, 5});
+  flare_merge_params p;
+  flare_merge_params_init(&p);
+  p.out_a = oa.view();
+  p.lse_a = la.view();
+  p.out_b = ob.view();
+  p.lse_b = lb.view();
+  p.out = c_out.view();
+  FLARE_ASSERT_OK(flare_merge_states(&p));
+  const auto v = [](const HostTensor& t) { return flare::TensorView::from_c(t.view()); };
+  flare::merge_states(v(oa), v(la), v(ob), v(lb), v(cpp_out));
+  EXPECT_EQ(cpp_out.values(), c_out.values());
+  HostTensor bad = HostTensor::contiguous(FLARE_DTYPE_F32, {2, 3, 2, 4});
+  try {
+    flare::merge_states(v(oa), v(la), v(ob), v(lb), v(bad));
+    ADD_FAILURE() << "a wrong out shape was accepted";
+  } catch (const flare::Error& e) {
+    EXPECT_EQ(e.status(), FLARE_INVALID_ARGUMENT);
+  }
+}
+
+TEST(PagedVarlen, CppApiTakesBlockTable) {
+  PagedVarlenCase c;
+  HostTensor out2 = HostTensor::contiguous(FLARE_DTYPE_F32, {3, 2, 8});
+  FLARE_ASSERT_OK(flare_fwd_varlen(&c.p));
+  flare::Varlen varlen;
+  varlen.cu_seqlens_q = flare::TensorView::from_c(c.cu_q.view());
+  varlen.seqused_k = flare::TensorView::from_c(c.used.view());
+  varlen.block_table = flare::TensorView::from_c(c.table.view());
+  flare::forward_varlen(flare::TensorView::from_c(c.q.view()), flare::TensorView::from_c(c.k.view()),
+                        flare::TensorView::from_c(c.v.view()), flare::TensorView::from_c(out2.view()), varlen);
+  EXPECT_EQ(out2.values(), c.out.values());
 }
 
 }  // namespace
