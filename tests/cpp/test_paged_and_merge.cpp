@@ -350,6 +350,20 @@ TEST(KvCacheSplits, EverySplitCountMatchesUnsplit) {
 
 // ---- flare_merge_states -------------------------------------------------------------------------------
 
+// The params of one merge (lse optional).
+flare_merge_params merge_params(const HostTensor& oa, const HostTensor& la, const HostTensor& ob, const HostTensor& lb,
+                                const HostTensor& out, const HostTensor* lse) {
+  flare_merge_params p;
+  flare_merge_params_init(&p);
+  p.out_a = oa.view();
+  p.lse_a = la.view();
+  p.out_b = ob.view();
+  p.lse_b = lb.view();
+  p.out = out.view();
+  if (lse != nullptr) p.lse = lse->view();
+  return p;
+}
+
 TEST(MergeStates, MatchesReferenceOverTheUnionOfKeys) {
   Rng rng;
   const int64_t seqlen = 3, nheads = 3, nheads_k = 1, d = 16, dv = 20;
@@ -394,14 +408,7 @@ TEST(MergeStates, MatchesReferenceOverTheUnionOfKeys) {
       HostTensor lse = HostTensor::contiguous(FLARE_DTYPE_F32, {batch, nheads, seqlen});
       if (!in_place) out.poison_buffer();
       lse.poison_buffer();
-      flare_merge_params p;
-      flare_merge_params_init(&p);
-      p.out_a = oa.view();
-      p.lse_a = la.view();
-      p.out_b = ob.view();
-      p.lse_b = lb.view();
-      p.out = out.view();
-      p.lse = lse.view();
+      flare_merge_params p = merge_params(oa, la, ob, lb, out, &lse);
       FLARE_ASSERT_OK(flare_merge_states(&p));
       if (!in_place) expect_fully_overwritten(out, "out");
       expect_fully_overwritten(lse, "lse");
@@ -436,14 +443,7 @@ TEST(MergeStates, VarlenLayoutAndBadInput) {
   HostTensor lse = HostTensor::contiguous(FLARE_DTYPE_F32, {2, 5});
   out.poison_buffer();
   lse.poison_buffer();
-  flare_merge_params p;
-  flare_merge_params_init(&p);
-  p.out_a = oa.view();
-  p.lse_a = la.view();
-  p.out_b = ob.view();
-  p.lse_b = lb.view();
-  p.out = out.view();
-  p.lse = lse.view();
+  flare_merge_params p = merge_params(oa, la, ob, lb, out, &lse);
   auto rejected = [&](flare_status status, const char* words) {
     EXPECT_EQ(flare_merge_states(&p), status);
     EXPECT_NE(std::string(flare_last_error()).find(words), std::string::npos) << flare_last_error();
@@ -484,13 +484,7 @@ TEST(MergeStates, CppApiIsTheCAbi) {
   HostTensor la = HostTensor::contiguous(FLARE_DTYPE_F32, {2, 2, 3}), lb = HostTensor::contiguous(FLARE_DTYPE_F32, {2, 2, 3});
   for (HostTensor* t : {&oa, &ob, &la, &lb}) t->fill_normal(rng);
   HostTensor c_out = HostTensor::contiguous(FLARE_DTYPE_F32, {2, 3, 2, 5}), cpp_out = HostTensor::contiguous(FLARE_DTYPE_F32, {2, 3, 2, 5});
-  flare_merge_params p;
-  flare_merge_params_init(&p);
-  p.out_a = oa.view();
-  p.lse_a = la.view();
-  p.out_b = ob.view();
-  p.lse_b = lb.view();
-  p.out = c_out.view();
+  flare_merge_params p = merge_params(oa, la, ob, lb, c_out, nullptr);
   FLARE_ASSERT_OK(flare_merge_states(&p));
   const auto v = [](const HostTensor& t) { return flare::TensorView::from_c(t.view()); };
   flare::merge_states(v(oa), v(la), v(ob), v(lb), v(cpp_out));
