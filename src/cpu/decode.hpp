@@ -121,6 +121,24 @@ inline float dot_rows(const float* a, const float* b, int64_t n) {
   return hsum(acc0 + acc1);
 }
 
+// s[r * ld + jj] = scale * q_r · k for rows r0..r0+3 (four rows share each load of k).
+inline void dot_four_rows(const float* q, int64_t dp, const float* k, float scale, float* s, int64_t ld) {
+  using V = vec_t<float>;
+  constexpr int W = Simd<float>::W;
+  V a0{}, a1{}, a2{}, a3{};
+  for (int64_t c = 0; c < dp; c += W) {
+    const V kv = vload(k + c);
+    a0 += vload(q + c) * kv;
+    a1 += vload(q + dp + c) * kv;
+    a2 += vload(q + 2 * dp + c) * kv;
+    a3 += vload(q + 3 * dp + c) * kv;
+  }
+  s[0] = scale * hsum(a0);
+  s[ld] = scale * hsum(a1);
+  s[2 * ld] = scale * hsum(a2);
+  s[3 * ld] = scale * hsum(a3);
+}
+
 // One (sequence, kv head, split): keys [j0, j1) of the sequence against its R query rows. Leaves the split's
 // unnormalised output in t.o and its running max and sum in t.m, t.l.
 inline void decode_split(const Problem& p, const DecodeScratch& ws, const DecodeScratch::PerThread& t,
@@ -154,10 +172,14 @@ inline void decode_split(const Problem& p, const DecodeScratch& ws, const Decode
       prefetch_row(vrows.row(jj), p.headdim_v * es);
     }
     stage_rows(p, krows, jc, n, p.headdim, dp, t.k, kp);
+    int64_t r4 = 0;
+    for (; r4 + 4 <= R; r4 += 4)
+      for (int64_t jj = 0; jj < n; ++jj) dot_four_rows(t.q + r4 * dp, dp, kp[jj], scale, t.s + r4 * C + jj, C);
     for (int64_t r = 0; r < R; ++r) {
       float* s = t.s + r * C;
-      const float* q = t.q + r * dp;
-      for (int64_t jj = 0; jj < n; ++jj) s[jj] = scale * dot_rows(q, kp[jj], dp);
+      if (r >= r4) {
+        for (int64_t jj = 0; jj < n; ++jj) s[jj] = scale * dot_rows(t.q + r * dp, kp[jj], dp);
+      }
       for (int64_t jj = n; jj < C; ++jj) s[jj] = -std::numeric_limits<float>::infinity();
       const int64_t i = r % seq.seqlen_q;
       if (shaped) {
