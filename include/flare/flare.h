@@ -163,6 +163,13 @@ typedef enum flare_arch_path {
  *                cu_seqlens_q/k int32 (batch + 1), nondecreasing from 0, ending at total_q / total_k;
  *                optional seqused_k int32 (batch): only the first seqused_k[b] keys of sequence b are used;
  *                softmax_lse fp32 (nheads, total_q), optional.
+ * Paged varlen (flare_fwd_varlen with block_table; the CPU backend): k (num_blocks, block_size, nheads_k,
+ *                headdim), v (..., headdim_v), block_table int32 (batch, max_blocks), any block_size >= 1:
+ *                key j of sequence b lives in block block_table[b][j / block_size], row j % block_size.
+ *                Sequence b has seqused_k[b] keys when seqused_k is given, else cu_seqlens_k[b + 1] -
+ *                cu_seqlens_k[b]; one of the two is required; cu_seqlens_k (optional) then starts at 0 and
+ *                is nondecreasing but its end is free. Every sequence fits in max_blocks * block_size keys
+ *                and the blocks holding its keys are in 0..num_blocks-1. Forward only (no backward).
  * q, k, v and out share one dtype (fp32, fp16, bf16; fp64 on the CPU) and one device. */
 typedef struct flare_fwd_params {
   size_t struct_size;
@@ -176,6 +183,9 @@ typedef struct flare_fwd_params {
   flare_exec_options exec;
   /* Appended after 0.1.0, read only when struct_size covers it (an older caller's struct runs as AUTO). */
   int32_t arch_path; /* flare_arch_path; FLARE_ARCH_PATH_AUTO by default */
+  /* Appended after 0.1.0, read only when struct_size covers it (absent otherwise): the paged varlen layout
+   * above, flare_fwd_varlen only. CUDA devices: FLARE_UNSUPPORTED in this release. */
+  flare_tensor block_table;
 } flare_fwd_params;
 
 FLARE_API void flare_fwd_params_init(flare_fwd_params* params);
@@ -243,7 +253,9 @@ typedef struct flare_kvcache_params {
   flare_tensor cache_seqlens, cache_batch_idx, cache_leftpad, block_table;
   flare_tensor rotary_cos, rotary_sin;
   int32_t rotary_interleaved;
-  int32_t num_splits;              /* split-KV hint for GPU decoding; 0 = heuristic; the CPU ignores it */
+  int32_t num_splits;              /* split-KV: each sequence's keys cut into this many parts, run apart and
+                                      merged through their lse; 0 = heuristic. The CPU honours it on its
+                                      decode path (query heads per kv head x seqlen_q <= 64, not fp64) */
   flare_tensor out;                /* written, (batch, seqlen_q, nheads, headdim_v) */
   flare_tensor softmax_lse;        /* written if present, fp32 (batch, nheads, seqlen_q) */
   flare_attn_options attn;
@@ -253,6 +265,30 @@ typedef struct flare_kvcache_params {
 FLARE_API void flare_kvcache_params_init(flare_kvcache_params* params);
 FLARE_API flare_status flare_fwd_kvcache(const flare_kvcache_params* params);
 FLARE_API flare_status flare_kvcache_workspace_size(const flare_kvcache_params* params, size_t* bytes);
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Merging partial attention states (cascade, prefix sharing, split-KV)                              */
+/* ------------------------------------------------------------------------------------------------ */
+
+/* Two attention results over disjoint key sets A and B, each with its softmax_lse, give the result over
+ * A ∪ B:  m = max(lse_a, lse_b);  w_a = exp(lse_a - m);  w_b = exp(lse_b - m);
+ *         out = (w_a out_a + w_b out_b) / (w_a + w_b);  lse = m + log(w_a + w_b).
+ * A row whose two lse are -inf (no key in either set) gets out = 0, lse = -inf.
+ * Layouts (flare's forward outputs): out_a, out_b, out (batch, seqlen, nheads, headdim) with lse_a, lse_b,
+ * lse fp32 (batch, nheads, seqlen); or varlen out (total, nheads, headdim) with lse (nheads, total).
+ * out_a, out_b and out share one dtype (fp32, fp16, bf16, fp64), computed in fp32 (fp64 for fp64).
+ * out may be the very view of out_a or out_b (in place), lse of lse_a or lse_b; any other overlap between an
+ * output and an input is not allowed. CPU tensors only: CUDA tensors are FLARE_UNSUPPORTED. */
+typedef struct flare_merge_params {
+  size_t struct_size;
+  flare_tensor out_a, lse_a, out_b, lse_b;
+  flare_tensor out; /* written */
+  flare_tensor lse; /* written if present */
+  flare_exec_options exec; /* num_threads as elsewhere; no workspace is used */
+} flare_merge_params;
+
+FLARE_API void flare_merge_params_init(flare_merge_params* params);
+FLARE_API flare_status flare_merge_states(const flare_merge_params* params);
 
 /* ------------------------------------------------------------------------------------------------ */
 /* Introspection                                                                                      */

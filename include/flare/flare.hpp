@@ -357,6 +357,9 @@ struct Varlen {
   TensorView seqused_k;      // optional int32 (batch): keys used per sequence
   int32_t max_seqlen_q = 0;  // 0: derived from cu_seqlens_q
   int32_t max_seqlen_k = 0;  // 0: derived from cu_seqlens_k / seqused_k
+  // optional int32 (batch, max_blocks), forward only: k/v are a paged cache (num_blocks, block_size,
+  // nheads_k, headdim[_v]); each sequence's keys from seqused_k, else cu_seqlens_k (which may then be absent)
+  TensorView block_table;
 };
 
 // The optional inputs of the KV-cache pass (flare_kvcache_params).
@@ -385,6 +388,11 @@ void set_varlen(Params& p, const Varlen* varlen) {
   p.seqused_k = varlen->seqused_k.c();
   p.max_seqlen_q = varlen->max_seqlen_q;
   p.max_seqlen_k = varlen->max_seqlen_k;
+  if constexpr (requires { p.block_table; }) {
+    p.block_table = varlen->block_table.c();
+  } else if (varlen->block_table.present()) {
+    throw Error(FLARE_UNSUPPORTED, "Varlen::block_table: a paged varlen call has no backward");
+  }
 }
 
 inline flare_fwd_params forward_params(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -570,6 +578,24 @@ inline size_t forward_kvcache_workspace_size(const TensorView& q, const TensorVi
   size_t bytes = 0;
   check(flare_kvcache_workspace_size(&p, &bytes));
   return bytes;
+}
+
+// The attention result over the union of two disjoint key sets from each set's result and softmax_lse
+// (flare_merge_states): out_a/out_b/out (batch, seqlen, nheads, headdim) with lse (batch, nheads, seqlen), or
+// varlen (total, nheads, headdim) with (nheads, total). out may be out_a or out_b itself; lse is optional.
+inline void merge_states(const TensorView& out_a, const TensorView& lse_a, const TensorView& out_b,
+                         const TensorView& lse_b, const TensorView& out, const TensorView& lse = {},
+                         const ExecOptions& exec = {}) {
+  flare_merge_params p;
+  flare_merge_params_init(&p);
+  p.out_a = out_a.c();
+  p.lse_a = lse_a.c();
+  p.out_b = out_b.c();
+  p.lse_b = lse_b.c();
+  p.out = out.c();
+  p.lse = lse.c();
+  p.exec = exec.c();
+  check(flare_merge_states(&p));
 }
 
 }  // namespace flare

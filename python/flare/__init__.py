@@ -14,6 +14,7 @@ libflare is loaded on first use, not at import (see _capi for where it is looked
 """
 
 from . import ops
+from .ops import merge_attention_states
 from ._capi import FlareArgumentError, FlareCudaError, FlareError, library
 from ._config import config, self_check, show_config
 from .flash_attn_interface import (
@@ -61,6 +62,7 @@ __all__ = [
     "flash_attn_with_kvcache",
     "has_cuda",
     "library",
+    "merge_attention_states",
     "ops",
     "self_check",
     "show_config",

@@ -111,6 +111,7 @@ class flare_fwd_params(ctypes.Structure):
         ("attn", flare_attn_options),
         ("exec", flare_exec_options),
         ("arch_path", c_int32),
+        ("block_table", flare_tensor),
     ]
 
 
@@ -264,6 +265,19 @@ def _problem_mask(params_type):
 _PROBLEM_MASKS = {t: _problem_mask(t) for t in (flare_fwd_params, flare_bwd_params, flare_kvcache_params)}
 
 
+class flare_merge_params(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", c_size_t),
+        ("out_a", flare_tensor),
+        ("lse_a", flare_tensor),
+        ("out_b", flare_tensor),
+        ("lse_b", flare_tensor),
+        ("out", flare_tensor),
+        ("lse", flare_tensor),
+        ("exec", flare_exec_options),
+    ]
+
+
 def problem_key(params):
     """The bytes of a params struct with its data pointers and exec cleared (as one int: a single AND): equal
     for two calls that pose the same problem (shapes, strides, dtypes, devices, options) on different data or
@@ -287,6 +301,7 @@ class Flare:
         ("fwd", flare_fwd_params),
         ("bwd", flare_bwd_params),
         ("kvcache", flare_kvcache_params),
+        ("merge", flare_merge_params),
     )
 
     def __init__(self, path):
@@ -304,6 +319,7 @@ class Flare:
             flare_fwd_params: ("flare_fwd", "flare_fwd_varlen"),
             flare_bwd_params: ("flare_bwd", "flare_bwd_varlen"),
             flare_kvcache_params: ("flare_fwd_kvcache",),
+            flare_merge_params: ("flare_merge_states",),
         }
         sizes = {
             flare_fwd_params: ("flare_fwd_workspace_size", True),
@@ -365,6 +381,11 @@ class Flare:
         self._lib.flare_kvcache_params_init(ctypes.byref(p))
         return p
 
+    def merge_params(self):
+        p = flare_merge_params()
+        self._lib.flare_merge_params_init(ctypes.byref(p))
+        return p
+
     # ---- entry points
     def _check(self, entry, status):
         if status == FLARE_OK:
@@ -387,6 +408,9 @@ class Flare:
 
     def fwd_kvcache(self, params):
         self._check("flare_fwd_kvcache", self._lib.flare_fwd_kvcache(ctypes.byref(params)))
+
+    def merge_states(self, params):
+        self._check("flare_merge_states", self._lib.flare_merge_states(ctypes.byref(params)))
 
     # ---- scratch size queries (validate like the call; bytes the call would otherwise allocate itself)
     def fwd_workspace_size(self, params, varlen):

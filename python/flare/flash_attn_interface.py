@@ -97,75 +97,32 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     return _result(out, lse, return_attn_probs)
 
 
-_PAGED = ("paged k/v (num_blocks, block_size, nheads_k, headdim), block_table (batch, max_blocks), "
-          "cu_seqlens_k (batch + 1)")
-
-
-def _gather_paged(k_cache: Tensor, v_cache: Tensor, block_table: Tensor, cu_seqlens_k: Tensor):
-    """The keys and values of a paged cache laid out as varlen (total_k, nheads_k, headdim) tensors.
-    The C ABI's varlen pass has no block_table (only the KV-cache pass has), so paging is resolved here with
-    a gather; this reads cu_seqlens_k and the used entries of block_table on the host, and checks them first
-    (torch indexing would read block -1 as the last one, and a short row would drop keys)."""
-    _checks.call(_PAGED, (("k", k_cache, 4), ("v", v_cache, 4)),
-                 index=(("block_table", block_table), ("cu_seqlens_k", cu_seqlens_k)))
-    _checks.rank(block_table, "block_table", 2, _PAGED)
-    _checks.rank(cu_seqlens_k, "cu_seqlens_k", 1, _PAGED)
-    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
-    batch, columns = block_table.shape
-    cu = cu_seqlens_k.tolist()
-    if len(cu) != batch + 1:
-        _checks.reject(f"cu_seqlens_k has {len(cu)} entries but block_table {batch} rows: it must have batch + 1")
-    seqlens = [end - start for start, end in zip(cu, cu[1:])]
-    if cu[0] != 0 or any(n < 0 for n in seqlens):
-        _checks.reject(f"cu_seqlens_k = {cu} must start at 0 and not decrease")
-    if block_size < 1 and any(seqlens):
-        _checks.reject(f"k has shape {tuple(k_cache.shape)}: a paged cache's block_size (dim 1) must be >= 1")
-    blocks = []
-    for b, n in enumerate(seqlens):
-        used = -(-n // block_size) if n else 0
-        if used > columns:
-            _checks.reject(f"sequence {b} has {n} keys, {used} blocks of {block_size}, but block_table has "
-                           f"{columns} columns")
-        blocks.append(block_table[b, :used].long())
-    flat = torch.cat(blocks) if blocks else block_table.new_empty(0, dtype=torch.long)
-    if flat.numel():
-        low, high = (int(x) for x in torch.aminmax(flat))
-        if low < 0 or high >= num_blocks:
-            _checks.reject(f"block_table holds block {low if low < 0 else high} among the blocks in use, but k "
-                           f"has {num_blocks} blocks (0..{num_blocks - 1})")
-
-    def gather(cache):
-        parts = [cache[ids].reshape(-1, *cache.shape[2:])[:n] for ids, n in zip(blocks, seqlens)]
-        return torch.cat(parts, dim=0) if parts else cache.new_empty(0, *cache.shape[2:])
-
-    return gather(k_cache), gather(v_cache)
-
-
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None,
                            *, seqused_k=None, out=None, return_softmax_lse=False, arch_path="auto"):
     """q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim), cu_seqlens_q/k int32 (batch + 1).
-    With block_table, k/v are a paged cache (num_blocks, block_size, nheads_k, headdim) and cu_seqlens_k
-    gives each sequence's length in it. seqused_k int32 (batch): only its first seqused_k[b] keys are used.
+    With block_table, k/v are a paged cache (num_blocks, block_size, nheads_k, headdim), any block_size >= 1,
+    read in place by the library (no gather); each sequence's key count is seqused_k[b] when given, else its
+    cu_seqlens_k span (one of them is needed; vLLM passes seqused_k alone). Paged calls run on the CPU; CUDA
+    tensors raise NotImplementedError in this release. seqused_k int32 (batch): only its first seqused_k[b]
+    keys are used. max_seqlen_q/k: upper bounds, or None/0 to derive them.
     out=: written with the result (and returned). return_softmax_lse: return (out, softmax_lse (nheads,
     total_q)) instead of out. arch_path: as in flash_attn_func (varlen calls run the sm80 kernels today, so
     "sm90" refuses them)."""
     _check_unsupported(dropout_p)
     left, right = _window(window_size)
-    max_seqlen_q = _checks.integer(max_seqlen_q, "max_seqlen_q")
-    max_seqlen_k = _checks.integer(max_seqlen_k, "max_seqlen_k")
+    max_seqlen_q = _checks.integer(max_seqlen_q or 0, "max_seqlen_q")
+    max_seqlen_k = _checks.integer(max_seqlen_k or 0, "max_seqlen_k")
     scale = _scale(softmax_scale)
     if out is not None:
         _checks.rank(q, "q", 3, ops._VARLEN)
         paged = block_table is not None
-        _checks.rank(v, "v", 4 if paged else 3, _PAGED if paged else ops._VARLEN)
+        _checks.rank(v, "v", 4 if paged else 3, ops._PAGED if paged else ops._VARLEN)
         _checks.output(out, "out", (*q.shape[:-1], v.shape[-1]), q)
-    if block_table is not None:
-        k, v = _gather_paged(k, v, block_table, cu_seqlens_k)
     result, lse = ops.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                           alibi_slopes, scale, bool(causal), left, right, float(softcap),
-                          bool(deterministic), str(arch_path))
+                          bool(deterministic), str(arch_path), block_table)
     if out is not None:
         out.copy_(result)
         result = out

@@ -11,6 +11,9 @@ Layouts (FlashAttention's):
           out (batch, seqlen_q, nheads, headdim_v), softmax_lse fp32 (batch, nheads, seqlen_q)
   varlen  q (total_q, nheads, headdim), k/v (total_k, nheads_k, ...), cu_seqlens_q/k int32 (batch + 1),
           optional seqused_k int32 (batch), softmax_lse fp32 (nheads, total_q)
+  paged   varlen q with a paged cache k/v (num_blocks, block_size, nheads_k, ...) and block_table int32
+          (batch, max_blocks); each sequence's key count from seqused_k, else cu_seqlens_k (forward only,
+          CPU only in this release; the library reads and checks the table, Python gathers nothing)
 softmax_lse is an output for callers that want it; it is not differentiable (its gradient is ignored).
 
 arch_path (the forward ops): which CUDA kernels run the call, "auto" (default: the sm90 kernels on a compute
@@ -141,6 +144,8 @@ def _out_shape(q: Tensor, v: Tensor):
 
 _DENSE = "q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim[_v])"
 _VARLEN = "q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim[_v]) with cu_seqlens_q/k"
+_PAGED = ("q (total_q, nheads, headdim) with cu_seqlens_q, paged k/v (num_blocks, block_size, nheads_k, "
+          "headdim[_v]), block_table (batch, max_blocks), seqused_k (batch) or cu_seqlens_k (batch + 1)")
 _KVCACHE = ("q (batch, seqlen_q, nheads, headdim), k_cache/v_cache (batch_cache, seqlen_cache, nheads_k, "
             "headdim[_v]) or paged (num_blocks, block_size, nheads_k, headdim[_v]), k/v new like k_cache")
 
@@ -153,13 +158,18 @@ def _options(softmax_scale, window_left, window_right, softcap):
 
 
 def _check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
-                     softmax_scale, window_left, window_right, softcap, grads=()):
-    """flare::fwd's and flare::bwd's arguments (grads: bwd's ((name, tensor), ...) of dout, out, softmax_lse)."""
+                     softmax_scale, window_left, window_right, softcap, grads=(), block_table=None):
+    """flare::fwd's and flare::bwd's arguments (grads: bwd's ((name, tensor), ...) of dout, out, softmax_lse).
+    block_table (fwd): k/v are a paged cache, rank 4; the library checks the table's contents."""
     rank, layout = (4, _DENSE) if cu_seqlens_q is None else (3, _VARLEN)
+    rank_kv = rank
+    if block_table is not None and cu_seqlens_q is not None:
+        rank_kv, layout = 4, _PAGED
     int32s, float32s = _options(softmax_scale, window_left, window_right, softcap)
-    _checks.call(layout, (("q", q, rank), ("k", k, rank), ("v", v, rank)),
+    _checks.call(layout, (("q", q, rank), ("k", k, rank_kv), ("v", v, rank_kv)),
                  (("alibi_slopes", alibi_slopes),) + grads,
-                 (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k)),
+                 (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k),
+                  ("block_table", block_table)),
                  (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)) + int32s, float32s)
 
 
@@ -194,13 +204,14 @@ def fwd_eager(q: Tensor, k: Tensor, v: Tensor,
               cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
               max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor],
               softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-              deterministic: bool, arch_path: str = "auto") -> Tuple[Tensor, Tensor]:
+              deterministic: bool, arch_path: str = "auto",
+              block_table: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """flare::fwd's computation called directly, without torch's custom-op dispatch (50 us less host time
     per call, 55 for bwd_eager, on a 2-core EPYC: bench/cpu/host_cost.py): no autograd, not traceable by
     torch.compile. For code that holds its own autograd and issues many calls (flare.distributed's ring);
     everything else should call fwd."""
     _check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
-                     softmax_scale, window_left, window_right, softcap)
+                     softmax_scale, window_left, window_right, softcap, block_table=block_table)
     varlen = cu_seqlens_q is not None
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     out_shape, lse_shape = _out_shape(q, v), _lse_shape(q, varlen)
@@ -211,7 +222,8 @@ def fwd_eager(q: Tensor, k: Tensor, v: Tensor,
     p.q, p.k, p.v = tv(q), tv(k), tv(v)
     p.out = _capi.planned_view(out_shape, q.dtype, q.device)
     p.softmax_lse = _capi.planned_view(lse_shape, torch.float32, q.device)
-    index = _set_index_views(p, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k)
+    index = _set_index_views(p, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k,
+                             block_table=block_table)
     p.max_seqlen_q, p.max_seqlen_k = max_seqlen_q, max_seqlen_k
     p.attn, keep = _attn_options(q, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
     p.arch_path = _capi.arch_path_value(arch_path)
@@ -230,19 +242,20 @@ def fwd(q: Tensor, k: Tensor, v: Tensor,
         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
         max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor],
         softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-        deterministic: bool, arch_path: str = "auto") -> tuple[Tensor, Tensor]:
-    """Forward attention; dense when cu_seqlens_q is None, else varlen. Returns (out, softmax_lse).
-    deterministic only matters to the backward; it is here so autograd can hand it on. arch_path: the CUDA
-    kernels ("auto", "sm80", "sm90"; see the module docstring)."""
+        deterministic: bool, arch_path: str = "auto", block_table: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Forward attention; dense when cu_seqlens_q is None, else varlen (paged with block_table). Returns (out,
+    softmax_lse). deterministic only matters to the backward; it is here so autograd can hand it on. arch_path:
+    the CUDA kernels ("auto", "sm80", "sm90"; see the module docstring)."""
     return fwd_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
-                     softmax_scale, causal, window_left, window_right, softcap, deterministic, arch_path)
+                     softmax_scale, causal, window_left, window_right, softcap, deterministic, arch_path,
+                     block_table)
 
 
 @fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
-      softmax_scale, causal, window_left, window_right, softcap, deterministic, arch_path="auto"):
+      softmax_scale, causal, window_left, window_right, softcap, deterministic, arch_path="auto", block_table=None):
     _check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
-                     softmax_scale, window_left, window_right, softcap)
+                     softmax_scale, window_left, window_right, softcap, block_table=block_table)
     _capi.arch_path_value(arch_path)  # a bad name fails when traced as it would when run
     varlen = cu_seqlens_q is not None
     out = q.new_empty(_out_shape(q, v))
@@ -309,7 +322,8 @@ def _(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_k, ma
 # ---- autograd: flare::fwd's derivative is flare::bwd ----------------------------------------------------
 
 _FWD_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "max_seqlen_q", "max_seqlen_k", "alibi_slopes",
-                "softmax_scale", "causal", "window_left", "window_right", "softcap", "deterministic", "arch_path")
+                "softmax_scale", "causal", "window_left", "window_right", "softcap", "deterministic", "arch_path",
+                "block_table")
 
 
 def _fwd_setup_context(ctx, inputs, output):
@@ -319,10 +333,14 @@ def _fwd_setup_context(ctx, inputs, output):
     # softmax_scale, causal, window_left, window_right, softcap, deterministic; arch_path stays with the forward
     # (the backward has the sm80 kernels alone).
     ctx.scalars = (max_seqlen_q, max_seqlen_k) + tuple(options[:6])
+    ctx.paged = len(options) > 7 and options[7] is not None  # block_table: the backward has no paged layout
     ctx.mark_non_differentiable(lse)
 
 
 def _fwd_backward(ctx, dout, dlse):
+    if ctx.paged:
+        raise NotImplementedError("flare: the backward of a paged varlen forward (block_table) is not supported: "
+                                  "the paged layout serves inference; pass varlen k/v to train through it")
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes = ctx.saved_tensors
     max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, det = ctx.scalars
     dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
@@ -384,3 +402,55 @@ def _(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_l
                    rotary_cos, rotary_sin, num_splits, alibi_slopes, softmax_scale, window_left, window_right,
                    softcap)
     return q.new_empty(_out_shape(q, v_cache)), q.new_empty(_lse_shape(q, False), dtype=torch.float32)
+
+
+# ---- merging partial attention states (cascade attention, shared prefixes, split-KV) --------------------
+
+_MERGE = ("out_a/out_b (batch, seqlen, nheads, headdim) with lse_a/lse_b fp32 (batch, nheads, seqlen), or varlen "
+          "(total, nheads, headdim) with (nheads, total)")
+
+
+def merge_attention_states(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:
+    """The attention result over the union of two disjoint key sets, from each set's result and softmax_lse:
+    m = max(lse_a, lse_b), out = (e^(lse_a - m) out_a + e^(lse_b - m) out_b) / (e^(lse_a - m) + e^(lse_b - m)),
+    lse = m + log(e^(lse_a - m) + e^(lse_b - m)); a row whose two lse are -inf gets out 0 and lse -inf.
+    Layouts are flare's forward outputs (see _MERGE). Returns new tensors (out, lse), out in out_a's dtype.
+    CPU tensors run flare_merge_states (fp32 arithmetic, fp64 for fp64); CUDA tensors run the same formula
+    as torch elementwise ops in fp32 (the C ABI's merge is CPU-only in this release). No autograd."""
+    if not isinstance(out_a, Tensor) or out_a.dim() not in (3, 4):
+        _checks.rank(out_a, "out_a", 4, _MERGE)
+    rank = out_a.dim()
+    _checks.call(_MERGE, (("out_a", out_a, rank), ("out_b", out_b, rank), ("lse_a", lse_a, rank - 1),
+                          ("lse_b", lse_b, rank - 1)))
+    if out_a.device.type != "cpu":
+        return _merge_torch(out_a, lse_a, out_b, lse_b)
+    out_a, out_b = _last_dim_contiguous(out_a), _last_dim_contiguous(out_b)
+    lse_a, lse_b = _last_dim_contiguous(lse_a), _last_dim_contiguous(lse_b)
+    lib = _capi.library()
+    p = lib.merge_params()
+    tv = _capi.tensor_view
+    p.out_a, p.lse_a, p.out_b, p.lse_b = tv(out_a), tv(lse_a), tv(out_b), tv(lse_b)
+    p.out = _capi.planned_view(tuple(out_a.shape), out_a.dtype, out_a.device)
+    p.lse = _capi.planned_view(tuple(lse_a.shape), torch.float32, out_a.device)
+    out = torch.empty(out_a.shape, dtype=out_a.dtype)
+    lse = torch.empty(lse_a.shape, dtype=torch.float32)
+    p.out.data, p.lse.data = out.data_ptr(), lse.data_ptr()  # laid out as planned
+    lib.merge_states(p)
+    return out, lse
+
+
+def _merge_torch(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:
+    """merge_attention_states in torch ops (CUDA tensors): the library's formula, in fp32."""
+    if out_b.shape != out_a.shape or lse_a.shape != lse_b.shape or out_b.dtype != out_a.dtype:
+        _checks.reject(f"out_a {tuple(out_a.shape)} {out_a.dtype}, out_b {tuple(out_b.shape)} {out_b.dtype}, lse_a "
+                       f"{tuple(lse_a.shape)}, lse_b {tuple(lse_b.shape)}: {_MERGE}, the two parts alike")
+    # lse (..., nheads, seqlen) against out (..., seqlen, nheads, headdim): bring lse to out's row order.
+    la = lse_a.float().transpose(-1, -2).unsqueeze(-1)
+    lb = lse_b.float().transpose(-1, -2).unsqueeze(-1)
+    m = torch.maximum(la, lb)
+    m = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)  # both -inf: weights 0, not NaN
+    wa, wb = torch.exp(la - m), torch.exp(lb - m)
+    s = wa + wb
+    out = (wa * out_a.float() + wb * out_b.float()) / torch.where(s > 0, s, torch.ones_like(s))
+    lse = (m + torch.log(s)).squeeze(-1).transpose(-1, -2)
+    return out.to(out_a.dtype), lse.contiguous()

@@ -52,8 +52,15 @@ flare_status guarded(const char* entry, Body&& body) noexcept {
 }
 
 // Validated problem to backend: the CPU entry `run`, or the CUDA one for the same pass.
+constexpr const char kNoCudaPagedVarlen[] =
+    "flare_fwd_varlen with block_table (a paged KV cache) runs on the CPU only in this release: on CUDA "
+    "tensors use flare_fwd_kvcache (block_table there), or gather the cache into varlen k/v";
+
 flare_status dispatch(const Problem& problem, flare_status (*run)(const Problem&)) {
   if (problem.device.type == FLARE_DEVICE_CUDA) {
+    if (problem.pass == Pass::kForward && problem.block_table != nullptr) {
+      return fail(FLARE_UNSUPPORTED, kNoCudaPagedVarlen);
+    }
 #if FLARE_WITH_CUDA
     switch (problem.pass) {
       case Pass::kForward: return cuda::forward(problem);
@@ -69,6 +76,9 @@ flare_status dispatch(const Problem& problem, flare_status (*run)(const Problem&
 
 flare_status report_workspace(const Problem& problem, size_t* bytes) {
   if (problem.device.type == FLARE_DEVICE_CUDA) {
+    if (problem.pass == Pass::kForward && problem.block_table != nullptr) {
+      return fail(FLARE_UNSUPPORTED, kNoCudaPagedVarlen);
+    }
 #if FLARE_WITH_CUDA
     if (problem.pass == Pass::kKvCache) return cuda::kvcache(problem);
     return cuda::workspace_size(problem, bytes);
@@ -223,6 +233,20 @@ FLARE_API flare_status flare_kvcache_workspace_size(const flare_kvcache_params* 
     Problem problem;
     if (flare_status s = flare::detail::validate_kvcache(params, &problem); s != FLARE_OK) return s;
     return flare::detail::report_workspace(problem, bytes);
+  });
+}
+
+FLARE_API void flare_merge_params_init(flare_merge_params* params) {
+  if (params == nullptr) return;
+  *params = flare_merge_params{};
+  params->struct_size = sizeof(flare_merge_params);
+}
+
+FLARE_API flare_status flare_merge_states(const flare_merge_params* params) {
+  return guarded("flare_merge_states", [&] {
+    flare::detail::MergeProblem problem;
+    if (flare_status s = flare::detail::validate_merge(params, &problem); s != FLARE_OK) return s;
+    return flare::cpu::merge_states(problem);
   });
 }
 

@@ -7,6 +7,7 @@
 // CUDA index tensors are not read here (their contents live on the device).
 #pragma once
 
+#include "common/merge_problem.hpp"
 #include "common/problem.hpp"
 #include "flare/flare.h"
 
@@ -20,6 +21,9 @@ flare_status validate_bwd(const flare_bwd_params* params, bool varlen, Problem* 
 
 // flare_fwd_kvcache (dense or paged cache).
 flare_status validate_kvcache(const flare_kvcache_params* params, Problem* problem);
+
+// flare_merge_states: CPU tensors only (CUDA ones are FLARE_UNSUPPORTED).
+flare_status validate_merge(const flare_merge_params* params, MergeProblem* problem);
 
 // FLARE_OUT_OF_MEMORY when the caller gave a workspace smaller than the backend needs for this problem
 // (CPU: cpu::workspace_size). A null workspace always passes: flare then allocates its own.

@@ -330,6 +330,7 @@ flare_status validate_kvcache(const flare_kvcache_params* params, Problem* probl
       p.v_new = dense_operand(f.v_new);
     }
     p.rotary_interleaved = f.rotary_interleaved == 1;
+    p.num_splits = f.num_splits;
     *problem = p;
   });
 }

@@ -68,6 +68,8 @@ struct Problem {
   //                cache_len = cache_seqlens ? cache_seqlens[b] : seqlen_cache
   //   paged: key position j lives in block block_table[b * block_table_stride + j / block_size],
   //          row j % block_size (k.batch_stride is the block stride).
+  // A paged varlen forward (Pass::kForward, varlen, block_table set) pages its keys the same way, with
+  // leftpad 0 and sequence b's key count seqused_k[b], else its cu_seqlens_k span (cu_seqlens_k may be null).
   const int32_t* cache_seqlens = nullptr;
   const int32_t* cache_batch_idx = nullptr;
   const int32_t* cache_leftpad = nullptr;
@@ -84,6 +86,9 @@ struct Problem {
   int64_t rotary_dim = 0;     // 0 = no rotary
   int64_t rotary_seqlen = 0;  // rows available in rotary_cos/sin
   bool rotary_interleaved = false;
+  // Split-KV: the key range of each sequence is cut into this many parts, run apart and merged through their
+  // lse (CPU: the decode path, src/cpu/decode.hpp). 0 = the backend's heuristic.
+  int64_t num_splits = 0;
 
   ScoreParams score;
   bool deterministic = false;

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 
+#include "common/merge_problem.hpp"
 #include "common/problem.hpp"
 
 namespace flare::cpu {
@@ -14,6 +15,18 @@ flare_status forward(const detail::Problem& p);
 flare_status backward(const detail::Problem& p);
 // Appends k_new/v_new (rotated if asked) into the cache, then attends q (rotated if asked) to it.
 flare_status kvcache(const detail::Problem& p);
+
+// flare_merge_states: the LSE merge of two partial results (merge.cpp). Needs no scratch.
+flare_status merge_states(const detail::MergeProblem& p);
+
+// Whether a KV-cache call runs the decode path (decode.hpp: GQA heads packed, split-KV) instead of the
+// forward's tiles: few query rows per (sequence, kv head) — the group's heads x seqlen_q at most
+// kDecodeMaxRows — in fp32/fp16/bf16 (fp64, the checking dtype, keeps the forward).
+inline constexpr int64_t kDecodeMaxRows = 64;
+inline bool use_decode_path(const detail::Problem& p) {
+  return p.pass == detail::Pass::kKvCache && p.dtype != FLARE_DTYPE_F64 &&
+         p.nheads / p.nheads_k * p.seqlen_q <= kDecodeMaxRows;
+}
 
 // KV cache helpers (kvcache.cpp): scratch beyond the forward pass's, and the step before attending —
 // appends k_new/v_new into the cache (rotated if asked) and returns the problem to attend with (q replaced by

@@ -28,6 +28,8 @@ struct Kernels {
   const char* name;
   size_t (*forward_scratch)(const Problem&, int);
   void (*forward)(const Problem&, void*, int);
+  size_t (*decode_scratch)(const Problem&, int);
+  void (*decode)(const Problem&, void*, int);
   size_t (*backward_scratch)(const Problem&, int);
   void (*backward)(const Problem&, void*, int);
 };
@@ -35,12 +37,10 @@ struct Kernels {
 // The levels, lowest first; each needs the one below it. Their names are what FLARE_CPU_ISA takes and
 // flare_cpu_isa() reports.
 constexpr Kernels kLevels[] = {
-    {"generic", generic::forward_scratch, generic::forward, generic::backward_scratch, generic::backward},
-    {"avx2", avx2::forward_scratch, avx2::forward, avx2::backward_scratch, avx2::backward},
-    {"avx512", avx512::forward_scratch, avx512::forward, avx512::backward_scratch, avx512::backward},
-    {"avx512bf16", avx512bf16::forward_scratch, avx512bf16::forward, avx512bf16::backward_scratch,
-     avx512bf16::backward},
-    {"amx", amx::forward_scratch, amx::forward, amx::backward_scratch, amx::backward},
+#define FLARE_LEVEL(isa)                                                                                    \
+  {#isa, isa::forward_scratch, isa::forward, isa::decode_scratch, isa::decode, isa::backward_scratch, isa::backward}
+    FLARE_LEVEL(generic), FLARE_LEVEL(avx2), FLARE_LEVEL(avx512), FLARE_LEVEL(avx512bf16), FLARE_LEVEL(amx),
+#undef FLARE_LEVEL
 };
 enum Level : int { kGeneric, kAvx2, kAvx512, kAvx512Bf16, kAmx };
 
@@ -103,7 +103,8 @@ size_t scratch_size(const Problem& p, int nt) {
     case detail::Pass::kBackward: return kernels().backward_scratch(p, nt);
     case detail::Pass::kKvCache: {
       size_t total = 0;
-      if (__builtin_add_overflow(kernels().forward_scratch(p, nt), kvcache_extra_scratch(p), &total)) return SIZE_MAX;
+      const size_t attend = use_decode_path(p) ? kernels().decode_scratch(p, nt) : kernels().forward_scratch(p, nt);
+      if (__builtin_add_overflow(attend, kvcache_extra_scratch(p), &total)) return SIZE_MAX;
       return total;
     }
     default: return kernels().forward_scratch(p, nt);
@@ -167,6 +168,11 @@ flare_status kvcache(const Problem& p) {
   const int nt = thread_count(p);
   return with_scratch(p, nt, [&](void* s) {
     char* base = static_cast<char*>(s);
+    if (use_decode_path(p)) {
+      const Problem attend = kvcache_prepare(p, base + kernels().decode_scratch(p, nt), nt);
+      kernels().decode(attend, base, nt);
+      return;
+    }
     const Problem attend = kvcache_prepare(p, base + kernels().forward_scratch(p, nt), nt);
     kernels().forward(attend, base, nt);
   });

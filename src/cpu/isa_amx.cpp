@@ -4,6 +4,7 @@
 #define FLARE_VEC_BYTES 64
 #include "cpu/backward_amx.hpp"
 #include "cpu/forward_amx.hpp"
+#include "cpu/decode.hpp"
 #include "cpu/isa_kernels.hpp"
 
 namespace flare::cpu::amx {
@@ -22,6 +23,9 @@ void forward(const detail::Problem& p, void* scratch, int threads) {
     default: run_forward<FmaForward<float>>(p, scratch, threads); break;
   }
 }
+// Decoding is bound by reading the cache: the FMA decode path (decode.hpp) for every dtype.
+size_t decode_scratch(const detail::Problem& p, int threads) { return decode_scratch_bytes(p, threads); }
+void decode(const detail::Problem& p, void* scratch, int threads) { run_decode(p, scratch, threads); }
 size_t backward_scratch(const detail::Problem& p, int threads) {
   switch (p.dtype) {
     case FLARE_DTYPE_BF16: return scratch_bytes<AmxBackward>(p, threads);

@@ -9,6 +9,8 @@
   namespace flare::cpu::isa {                                                    \
   size_t forward_scratch(const detail::Problem& p, int threads);                 \
   void forward(const detail::Problem& p, void* scratch, int threads);            \
+  size_t decode_scratch(const detail::Problem& p, int threads);                  \
+  void decode(const detail::Problem& p, void* scratch, int threads);             \
   size_t backward_scratch(const detail::Problem& p, int threads);                \
   void backward(const detail::Problem& p, void* scratch, int threads);           \
   }

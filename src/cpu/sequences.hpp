@@ -69,8 +69,13 @@ inline Sequence sequence_of(const Problem& p, int64_t b) {
     s.cache_row = p.cache_batch_idx ? p.cache_batch_idx[b] : b;
   } else if (p.varlen) {
     s.q_token = p.cu_seqlens_q[b];
-    s.k_token = p.cu_seqlens_k[b];
     s.seqlen_q = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
+    if (p.block_table != nullptr) {  // paged keys: the sequence's own blocks, from position 0
+      s.seqlen_k = p.seqused_k ? p.seqused_k[b] : p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b];
+      s.stored_k = s.seqlen_k;
+      return s;
+    }
+    s.k_token = p.cu_seqlens_k[b];
     s.stored_k = p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b];
     s.seqlen_k = p.seqused_k ? p.seqused_k[b] : s.stored_k;
     return s;
@@ -122,16 +127,17 @@ inline RowPtr key_rows(const Problem& p, const Operand& op, const Sequence& s, i
   RowPtr r;
   r.row_bytes = stride_bytes(op.row_stride, es);
   char* data = static_cast<char*>(op.data);
+  if (p.block_table != nullptr) {  // a paged KV cache (flare_fwd_kvcache, or paged varlen: leftpad 0)
+    r.offset = s.leftpad;
+    r.base = data + hk * op.head_stride * es;
+    r.blocks = p.block_table + s.b * p.block_table_stride;
+    r.block_size = p.block_size;
+    r.block_bytes = stride_bytes(op.batch_stride, es);
+    return r;
+  }
   if (p.pass == Pass::kKvCache) {
     r.offset = s.leftpad;
-    if (p.block_table != nullptr) {
-      r.base = data + hk * op.head_stride * es;
-      r.blocks = p.block_table + s.b * p.block_table_stride;
-      r.block_size = p.block_size;
-      r.block_bytes = stride_bytes(op.batch_stride, es);
-    } else {
-      r.base = data + (s.cache_row * op.batch_stride + hk * op.head_stride) * es;
-    }
+    r.base = data + (s.cache_row * op.batch_stride + hk * op.head_stride) * es;
     return r;
   }
   r.base = data + (s.b * op.batch_stride + s.k_token * op.row_stride + hk * op.head_stride) * es;

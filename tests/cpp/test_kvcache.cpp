@@ -27,6 +27,7 @@ struct KvCase {
   AlibiMode alibi = AlibiMode::kNone;
   bool with_lse = true;
   bool strided = false;  // q, k_new, v_new, out and the cache with permuted, padded strides
+  int32_t num_splits = 0;  // split-KV parts of the decode path (0: its heuristic)
 
   std::string describe() const {
     std::string s = std::string(dtype_name(dtype)) + " batch=" + std::to_string(batch) + " seqlen_q=" +
@@ -45,6 +46,7 @@ struct KvCase {
     if (softcap) s += " softcap=" + std::to_string(softcap);
     if (alibi != AlibiMode::kNone) s += alibi == AlibiMode::kPerHead ? " alibi(h)" : " alibi(b,h)";
     if (strided) s += " strided";
+    if (num_splits) s += " num_splits=" + std::to_string(num_splits);
     return s;
   }
 };
@@ -148,6 +150,7 @@ void check_kvcache(const KvCase& c, Rng& rng, double fp32_tol = 1e-5) {
   p.rotary_cos = cos_t.view();
   p.rotary_sin = sin_t.view();
   p.rotary_interleaved = c.interleaved ? 1 : 0;
+  p.num_splits = c.num_splits;
   p.out = out.view();
   p.softmax_lse = lse.view();
   // An explicit fp32 scale, so that the fp64 reference uses the very number flare does.
@@ -406,6 +409,35 @@ TEST(KvCache, StridedEverything) {
     c.block_size = 16;
     c.capacity = 64;
     check_kvcache(c, rng);
+  }
+}
+
+// The decode path (few query rows per kv head: GQA heads packed) with its key range cut into 1..many splits
+// merged through their lse, against the fp64 reference, with the options that shape and mask scores.
+TEST(KvCache, DecodeSplitCounts) {
+  Rng rng;
+  for (flare_dtype dtype : {FLARE_DTYPE_F32, FLARE_DTYPE_BF16, FLARE_DTYPE_F16}) {
+    for (int32_t splits : {1, 2, 3, 5, 16, 200}) {
+      KvCase c;
+      c.dtype = dtype;
+      c.batch = 3;
+      c.nheads = 8;
+      c.nheads_k = 2;
+      c.headdim = 72;
+      c.headdim_v = 40;
+      c.capacity = 301;
+      c.seqlen_q = splits % 2 ? 1 : 3;
+      c.seqlen_new = 2;
+      c.causal = c.seqlen_q > 1;
+      c.num_splits = splits;
+      check_kvcache(c, rng);
+      c.softcap = 8.0f;
+      c.alibi = AlibiMode::kPerHead;
+      c.window_left = 50;
+      c.block_size = 7;
+      c.capacity = 301;
+      check_kvcache(c, rng);
+    }
   }
 }
 

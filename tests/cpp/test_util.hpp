@@ -45,6 +45,8 @@ class Rng {
     std::printf("[   seed   ] FLARE_TEST_SEED=%u\n", seed_);
     testing::Test::RecordProperty("seed", std::to_string(seed_));
   }
+  // A stream replayed from a known seed (two calls that must see the same numbers); prints nothing.
+  explicit Rng(uint32_t seed) : seed_(seed), engine_(seed_), trace_(__FILE__, __LINE__, seed_message(seed_)) {}
   uint32_t seed() const { return seed_; }
   double normal() { return normal_(engine_); }
   double uniform(double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(engine_); }

@@ -167,14 +167,21 @@ def test_paged_varlen_block_table_is_checked():
     keys, vals = kc[[2, 0]].reshape(-1, 2, 16)[:12], vc[[2, 0]].reshape(-1, 2, 16)[:12]
     ref, _ = reference_attention(q[:2][None], keys[None], vals[None])
     assert_close_ref(out[:2], ref[0], torch.float32)
-    with pytest.raises(FlareArgumentError, match=r"block_table holds block -1 .* k has 4 blocks"):
-        flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 2, 12, block_table=torch.tensor([[2, -1], [3, 0]]))
-    with pytest.raises(FlareArgumentError, match=r"block_table holds block 4 "):
-        flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 2, 12, block_table=torch.tensor([[2, 0], [4, 0]]))
-    with pytest.raises(RuntimeError, match=r"sequence 0 has 12 keys, 2 blocks of 8, but block_table has 1 col"):
-        flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 2, 12, block_table=good[:, :1])
-    with pytest.raises(FlareArgumentError, match=r"cu_seqlens_k = \[0, 12, 9\] must start at 0 and not decrease"):
-        flash_attn_varlen_func(q, kc, vc, cu_q, torch.tensor([0, 12, 9]), 2, 12, block_table=good)
+    # The library reads and checks the table (no Python gather): bad entries among the blocks in use, a
+    # sequence past its row of the table, a decreasing cu_seqlens_k; out= is left as it was.
+    out = torch.full_like(q, float("nan"))
+    with pytest.raises(FlareArgumentError, match=r"block_table\[0\]\[1\] is -1 but k has 4 blocks"):
+        flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 2, 12, block_table=torch.tensor([[2, -1], [3, 0]]), out=out)
+    assert out.isnan().all()
+    with pytest.raises(FlareArgumentError, match=r"block_table\[1\]\[0\] is 4 "):
+        flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 2, 12, block_table=torch.tensor([[2, 0], [4, 0]]), out=out)
+    with pytest.raises(FlareArgumentError, match=r"sequence 0 has 12 keys but block_table has 1 columns of 8"):
+        flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 2, 12, block_table=good[:, :1], out=out)
+    with pytest.raises(FlareArgumentError, match=r"cu_seqlens_k\[2\] is 9 .* must be nondecreasing"):
+        flash_attn_varlen_func(q, kc, vc, cu_q, torch.tensor([0, 12, 9]), 2, 12, block_table=good, out=out)
+    with pytest.raises(FlareArgumentError, match=r"cu_seqlens_k and seqused_k are both absent"):
+        flash_attn_varlen_func(q, kc, vc, cu_q, None, 2, 12, block_table=good, out=out)
+    assert out.isnan().all()
     with pytest.raises(FlareArgumentError, match="block_table has dtype torch.float32"):
         flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 2, 12, block_table=good.float())
 

@@ -44,3 +44,23 @@ def test_rounds_stay_within_bounds(monkeypatch):
     clock[0] = 0.0
     _, rounds = bench_cpu.time_interleaved_ms({"x": lambda: None, "y": lambda: None}, max_runs=7, budget_s=1.0)
     assert rounds == 7  # at most max_runs, however fast
+
+
+def test_decode_bench_quick_smoke(tmp_path):
+    """bench_decode.py end to end on tiny shapes: the accuracy gate, both implementations timed, the ceilings
+    and the result file's rows."""
+    import json
+
+    import bench_decode
+
+    lib = ROOT / "build" / "release" / "src" / "libflare.so"
+    if not lib.is_file():
+        import pytest
+        pytest.skip(f"{lib} not built")
+    out = bench_decode.main(["--quick", "--batches", "1", "--kv-lens", "96", "--dtypes", "bf16", "fp32",
+                             "--lib", str(lib), "--out", str(tmp_path / "decode.json"), "--threads", "1"])
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["ceilings"]["copy_tbps"] > 0
+    rows = doc["rows"]
+    assert {(r["impl"], r["dtype"]) for r in rows} == {(i, d) for i in ("flare", "torch-cpu") for d in ("bf16", "fp32")}
+    assert all(r["pass"] == "decode" and r["tbps"] > 0 and r["nheads"] == 32 and r["nheads_k"] == 8 for r in rows)
