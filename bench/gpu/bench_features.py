@@ -39,7 +39,6 @@ FEATURE_SEQLENS = [4096, 8192, 16384]
 WINDOW = 4096
 SOFTCAP = 50.0
 CHECK_ROWS = 128  # query rows (the last ones) per checked head
-FLARE_PATHS = {"flare": "auto", "flare-sm90": "sm90", "flare-sm80": "sm80"}
 
 
 def parse_args(argv=None):
@@ -194,7 +193,7 @@ def run_shape(shape, args, time_ms, log):
     k, v = (torch.randn(b, s, hk, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
     window = (shape.window, 0) if shape.window is not None else (-1, 0)
     impls = {}
-    paths = FLARE_PATHS if shape.group == "gqa" else {"flare": "auto"}
+    paths = bench_gpu.FLARE_PATHS if shape.group == "gqa" else {"flare": "auto"}
     for impl, path in paths.items():
         if dev == "cpu" and path != "auto":
             continue
