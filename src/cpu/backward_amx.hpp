@@ -29,6 +29,7 @@ struct AmxBackward {
       float *dk, *dv;        // dK (nk x dpad), dV (nk x dvpad)
       uint16_t *q_by_d, *do_by_dv, *q_by_i, *do_by_i;  // per head: Q and dO as VNNI along d/dv and along i
       float *delta, *lse;                              // D = rowsum(dO * O), lse (+inf: no visible key)
+      uint8_t* k_flags;  // per key: its K row holds a NaN or infinity (zeroed in kt; unseen_values.hpp)
     };
     struct PerThread {
       Pack* pack;
@@ -50,7 +51,7 @@ struct AmxBackward {
         Pack pk{a.take<uint16_t>(nk * dpad), a.take<uint16_t>(nk * dvpad), a.take<uint16_t>(dpad * nk),
                 a.take<float>(nk * dpad),    a.take<float>(nk * dvpad),    a.take<uint16_t>(nq * dpad),
                 a.take<uint16_t>(nq * dvpad), a.take<uint16_t>(nq * dpad), a.take<uint16_t>(nq * dvpad),
-                a.take<float>(nq),           a.take<float>(nq)};
+                a.take<float>(nq),           a.take<float>(nq),            a.take<uint8_t>(nk)};
         if (pack) pack[i] = pk;
       }
       threads = a.take<PerThread>(nt);
@@ -72,10 +73,12 @@ struct AmxBackward {
   static void thread_begin() { amx_configure(); }
   static void thread_end() { _tile_release(); }
 
-  // Key block kb: K, V and Kᵀ rows in bf16 (zero-padded), dK/dV cleared.
+  // Key block kb: K, V and Kᵀ rows in bf16 (zero-padded), dK/dV cleared. dQᵀ += Kᵀ dSᵀ multiplies the masked
+  // keys' K by dS = 0: Kᵀ holds 0 for their NaN and infinities (flagged keys; added back in tile()).
   static void pack_keys(const Problem& p, const Sequence& seq, int64_t hk, int64_t kb, const Scratch& ws, int tid) {
     const auto& pk = *ws.threads[tid].pack;
     const RowPtr krows = key_rows(p, p.k, seq, hk), vrows = key_rows(p, p.v, seq, hk);
+    flag_nonfinite_keys(p, krows, seq.seqlen_k, kb * kBk, kBk, pk.k_flags + kb * kBk);
     for (int64_t j = kb * kBk; j < (kb + 1) * kBk; ++j) {
       const bool in = j < seq.seqlen_k;
       const uint16_t* ksrc = in ? reinterpret_cast<const uint16_t*>(krows.row(j)) : nullptr;
@@ -83,7 +86,7 @@ struct AmxBackward {
       for (int64_t c = 0; c < ws.dpad; ++c) {
         const uint16_t x = (in && c < p.headdim) ? ksrc[c] : uint16_t(0);
         pk.k[j * ws.dpad + c] = x;
-        pk.kt[c * ws.nk + j] = x;
+        pk.kt[c * ws.nk + j] = (x & 0x7f80) == 0x7f80 ? uint16_t(0) : x;
         pk.dk[j * ws.dpad + c] = 0.0f;
       }
       for (int64_t c = 0; c < ws.dvpad; ++c) {
@@ -136,6 +139,11 @@ struct AmxBackward {
                    ws.dvpad);
     amx_gemm<true>(kBk, ws.dpad, kBq, t.ds, kBq, pk.q_by_i, ws.nq / 32, 0, i0 / 32, pk.dk + j0 * ws.dpad, ws.dpad);
     amx_gemm<true>(ws.dpad, kBq, kBk, pk.kt + j0, ws.nk, t.ds_vnni, kBk / 32, 0, 0, t.dqt + i0, ws.nq);
+    // The non-finite K values of flagged keys, for the queries that see them (dSᵀ in fp32 is in t.dp).
+    add_seen_nonfinite<float>(
+        p, seq, h, p.k, p.headdim, pk.k_flags + j0, j0, kBk, i0, smin(kBq, seq.seqlen_q - i0),
+        [&](int64_t r, int64_t jj) { return t.dp[jj * kBq + r]; },
+        [&](int64_t r, int64_t c, float x) { t.dqt[c * ws.nq + i0 + r] += x; });
   }
 
   template <bool Shared>

@@ -40,6 +40,7 @@ struct DotBackward {
       uint32_t *q_by_d, *do_by_dv;  // per head, per query tile: dpairs (dvpairs) pair rows of kBq queries
       uint32_t *q_by_query, *do_by_query;  // Q (nq / 2 x ldd) and dO (nq / 2 x lddv) as pair rows along queries
       float *delta, *lse;   // D = rowsum(dO * O), lse (+inf: no visible key, or padding)
+      uint8_t* k_flags;     // per key: its K row holds a NaN or infinity (zeroed in k_by_key; unseen_values.hpp)
     };
     struct PerThread {
       Pack* pack;
@@ -71,7 +72,7 @@ struct DotBackward {
                 a.take<float>(nk * lddv),             a.take<uint32_t>(nqt * dpairs * ldt),
                 a.take<uint32_t>(nqt * dvpairs * ldt), a.take<uint32_t>(nq / 2 * ldd),
                 a.take<uint32_t>(nq / 2 * lddv),      a.take<float>(nq),
-                a.take<float>(nq)};
+                a.take<float>(nq),                    a.take<uint8_t>(nk)};
         if (pack) pack[i] = pk;
       }
       threads = a.take<PerThread>(nt);
@@ -112,6 +113,9 @@ struct DotBackward {
     }
     pack_pairs_across_rows(pk.k_by_key + j0 / 2 * ws.ldd, ws.ldd, kBk, p.headdim, ws.dpad,
                            [&](int64_t jj) { return key_row(krows, j0 + jj); });
+    // dQ += dS K multiplies the masked keys' K by dS = 0: their NaN or infinity must not be in the pack.
+    if (flag_nonfinite_keys(p, krows, seq.seqlen_k, j0, kBk, pk.k_flags + j0))
+      zero_nonfinite(pk.k_by_key + j0 / 2 * ws.ldd, FLARE_DTYPE_BF16, kBk * ws.ldd);  // kBk / 2 rows of ldd words
   }
 
   // Query tile qt of head h: Q and dO as pair rows along the head dims and along queries, D and lse.
@@ -162,6 +166,12 @@ struct DotBackward {
                    pk.dk + j0 * ws.ldd, ws.ldd);  // dK += dSᵀ Q
     dot_gemm<true, true>(kBq, ws.dpad, kBk / 2, t.ds_pairs, kBq, pk.k_by_key + j0 / 2 * ws.ldd, ws.ldd,
                          t.dq + i0 * ws.ldd, ws.ldd);  // dQ += dS K
+    // The non-finite K values of flagged keys, for the queries that see them (dSᵀ in fp32 is in t.dp).
+    float* dq = t.dq + i0 * ws.ldd;
+    add_seen_nonfinite<float>(
+        p, seq, h, p.k, p.headdim, pk.k_flags + j0, j0, kBk, i0, smin(kBq, seq.seqlen_q - i0),
+        [&](int64_t r, int64_t jj) { return t.dp[jj * kBq + r]; },
+        [&](int64_t r, int64_t c, float x) { dq[r * ws.ldd + c] += x; });
   }
 
   // dq row i = scale * (this thread's dQ, or with Shared the sum of the team's buffers in thread order).

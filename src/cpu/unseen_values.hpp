@@ -62,14 +62,27 @@ inline void screen_value_block(const Problem& p, const RowPtr& vrows, int64_t se
   zero_nonfinite(packed, packed_dtype, count);
 }
 
+// Flags the keys [j0, j0 + nkeys) whose K row holds a NaN or infinity (flags[jj] for key j0 + jj; keys past
+// seqlen_k are never flagged), for an engine that zeroes those values in its pack of K as the B operand of
+// dQ += dS K. Returns whether any key was flagged.
+inline bool flag_nonfinite_keys(const Problem& p, const RowPtr& krows, int64_t seqlen_k, int64_t j0, int64_t nkeys,
+                                uint8_t* flags) {
+  bool any = false;
+  for (int64_t jj = 0; jj < nkeys; ++jj) {
+    flags[jj] = j0 + jj < seqlen_k && any_nonfinite(krows.row(j0 + jj), p.dtype, p.headdim);
+    any |= flags[jj] != 0;
+  }
+  return any;
+}
+
 // Rows [i0, i0 + rows) of head h after a block product over keys [j0, j0 + cols) whose flagged keys (flags[jj]
 // for key j0 + jj) had their non-finite values zeroed in the pack: each row r adds weight(r, jj) times the
-// non-finite values of `operand`'s flagged rows it sees to its accumulator out (row r at out + r * ld), as the
-// product would have with them in place.
-template <class Acc, class Weight>
+// non-finite values of `operand`'s flagged rows it sees to its accumulator, add(r, c, value) adding value to
+// element c of row r, as the product would have with them in place.
+template <class Acc, class Weight, class Add>
 inline void add_seen_nonfinite(const Problem& p, const Sequence& seq, int64_t h, const detail::Operand& operand,
                                int64_t dim, const uint8_t* flags, int64_t j0, int64_t cols, int64_t i0, int64_t rows,
-                               Weight weight, Acc* out, int64_t ld) {
+                               Weight weight, Add add) {
   bool any = false;
   for (int64_t c = 0; c < cols; ++c) any |= flags[c] != 0;
   if (!any) return;
@@ -85,7 +98,7 @@ inline void add_seen_nonfinite(const Problem& p, const Sequence& seq, int64_t h,
       load_row<double>(key_row.row(j), p.dtype, x, dim, 1.0);
       const Acc w = weight(r, j - j0);
       for (int64_t c = 0; c < dim; ++c)
-        if (!std::isfinite(x[c])) out[r * ld + c] += w * static_cast<Acc>(x[c]);
+        if (!std::isfinite(x[c])) add(r, c, w * static_cast<Acc>(x[c]));
     }
   }
 }
@@ -95,17 +108,20 @@ template <class Acc>
 inline void add_seen_nonfinite_values(const Problem& p, const Sequence& seq, int64_t h, const uint8_t* flags,
                                       int64_t j0, int64_t cols, int64_t i0, int64_t rows, Acc* o, int64_t ldo) {
   add_seen_nonfinite<Acc>(p, seq, h, p.v, p.headdim_v, flags, j0, cols, i0, rows,
-                          [](int64_t, int64_t) { return Acc{1}; }, o, ldo);
+                          [](int64_t, int64_t) { return Acc{1}; },
+                          [o, ldo](int64_t r, int64_t c, Acc x) { o[r * ldo + c] += x; });
 }
 
 // The backward (backward.hpp): after dQ += dS K, each row adds dS(r, j) times the non-finite K values of the
-// flagged keys it sees (dS row r at ds + r * ldds).
+// flagged keys it sees (dS row r at ds + r * ldds). The bf16 engines call add_seen_nonfinite directly, with
+// their keys-major dSᵀ and their own dQ layouts.
 template <class T>
 inline void add_seen_nonfinite_keys(const Problem& p, const Sequence& seq, int64_t h, const uint8_t* flags, int64_t j0,
                                     int64_t cols, int64_t i0, int64_t rows, const T* ds, int64_t ldds, T* dq,
                                     int64_t lddq) {
   add_seen_nonfinite<T>(p, seq, h, p.k, p.headdim, flags, j0, cols, i0, rows,
-                        [&](int64_t r, int64_t jj) { return ds[r * ldds + jj]; }, dq, lddq);
+                        [&](int64_t r, int64_t jj) { return ds[r * ldds + jj]; },
+                        [dq, lddq](int64_t r, int64_t c, T x) { dq[r * lddq + c] += x; });
 }
 
 }  // namespace flare::cpu::FLARE_ISA
