@@ -110,6 +110,12 @@ FLARE_API flare_tensor flare_tensor_contiguous(void* data, flare_dtype dtype, fl
 /* Options shared by every pass                                                                       */
 /* ------------------------------------------------------------------------------------------------ */
 
+/* Sinks (learnable attention sinks, GPT-OSS's s_aux): an optional fp32 tensor of shape (nheads) on the
+ * device of q, one logit per query head, in the units of the final scores. It joins every row's softmax
+ * denominator without a value: with s the row's scores, out = sum_j exp(s_j) v_j / (sum_j exp(s_j) +
+ * exp(sinks[h])), and softmax_lse = log(sum_j exp(s_j) + exp(sinks[h])). A row that sees no key then gets
+ * out = 0 and lse = sinks[h]. A sink of -inf is no sink. */
+
 /* How scores are formed and masked. Query i of a sequence sees key j when
  *   causal:  j <= i + seqlen_k - seqlen_q                       (bottom-right alignment)
  *   window:  i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right
@@ -186,6 +192,9 @@ typedef struct flare_fwd_params {
   /* Appended after 0.1.0, read only when struct_size covers it (absent otherwise): the paged varlen layout
    * above, flare_fwd_varlen only. CUDA devices: FLARE_UNSUPPORTED in this release. */
   flare_tensor block_table;
+  /* Appended after 0.1.0, read only when struct_size covers it (absent otherwise): learnable attention
+   * sinks, see "Sinks" above flare_attn_options. CUDA devices: FLARE_UNSUPPORTED in this release. */
+  flare_tensor sinks;
 } flare_fwd_params;
 
 FLARE_API void flare_fwd_params_init(flare_fwd_params* params);
@@ -214,6 +223,13 @@ typedef struct flare_bwd_params {
   flare_exec_options exec;
   /* Appended after 0.1.0, as in flare_fwd_params. The backward runs the sm80 kernels (SM90: UNSUPPORTED). */
   int32_t arch_path; /* flare_arch_path; FLARE_ARCH_PATH_AUTO by default */
+  /* Appended after 0.1.0, read only when struct_size covers them (absent otherwise). sinks: those of the
+   * forward (see "Sinks" above flare_attn_options); the lse given must be the forward's, which counts them.
+   * dsinks, optional, written when present (requires sinks): fp32 (nheads), the gradient of sum(out * dout)
+   * by each sink, dsinks[h] = -sum over h's rows of exp(sinks[h] - lse) * rowsum(dout * out), summed over
+   * the batch. CUDA devices: FLARE_UNSUPPORTED in this release. */
+  flare_tensor sinks;
+  flare_tensor dsinks;
 } flare_bwd_params;
 
 FLARE_API void flare_bwd_params_init(flare_bwd_params* params);
@@ -260,6 +276,9 @@ typedef struct flare_kvcache_params {
   flare_tensor softmax_lse;        /* written if present, fp32 (batch, nheads, seqlen_q) */
   flare_attn_options attn;
   flare_exec_options exec;
+  /* Appended after 0.1.0, read only when struct_size covers it (absent otherwise): learnable attention
+   * sinks as in the forward. CUDA devices: FLARE_UNSUPPORTED in this release. */
+  flare_tensor sinks;
 } flare_kvcache_params;
 
 FLARE_API void flare_kvcache_params_init(flare_kvcache_params* params);

@@ -308,6 +308,13 @@ struct AttnOptions {
   int32_t window_left = -1;    // -1: unbounded
   int32_t window_right = -1;   // -1: unbounded
   TensorView alibi_slopes;     // fp32 (nheads) or (batch, nheads); absent: no ALiBi
+  // Learnable sinks: fp32 (nheads), one logit per query head joining every softmax denominator; absent: none.
+  // Given to every pass (the backward needs the forward's; its softmax_lse counts them). C ABI: the params'
+  // sinks field, not flare_attn_options.
+  TensorView sinks;
+  // Backward only: fp32 (nheads), written with the sinks' gradient when present (needs sinks). A forward or
+  // KV-cache call with dsinks throws FLARE_INVALID_ARGUMENT.
+  TensorView dsinks;
 
   flare_attn_options c() const {
     flare_attn_options o{};
@@ -379,6 +386,12 @@ struct KvCacheInputs {
 // structs, e.g. to call the C ABI themselves)
 // ------------------------------------------------------------------------------------------------
 
+// The forward passes take sinks but have no gradient to write.
+inline void require_no_dsinks(const AttnOptions& attn) {
+  if (attn.dsinks.present())
+    throw Error(FLARE_INVALID_ARGUMENT, "AttnOptions::dsinks is the backward's output: leave it absent in forward calls");
+}
+
 // Copies the varlen description into flare_fwd_params or flare_bwd_params (nothing when varlen is null).
 template <class Params>
 void set_varlen(Params& p, const Varlen* varlen) {
@@ -410,6 +423,8 @@ inline flare_fwd_params forward_params(const TensorView& q, const TensorView& k,
   p.attn = attn.c();
   p.exec = exec.c();
   p.arch_path = static_cast<int32_t>(exec.arch_path);
+  require_no_dsinks(attn);
+  p.sinks = attn.sinks.c();
   return p;
 }
 
@@ -434,6 +449,8 @@ inline flare_bwd_params backward_params(const TensorView& q, const TensorView& k
   p.attn = attn.c();
   p.exec = exec.c();
   p.arch_path = static_cast<int32_t>(exec.arch_path);
+  p.sinks = attn.sinks.c();
+  p.dsinks = attn.dsinks.c();
   return p;
 }
 
@@ -460,6 +477,8 @@ inline flare_kvcache_params kvcache_params(const TensorView& q, const TensorView
   p.softmax_lse = softmax_lse.c();
   p.attn = attn.c();
   p.exec = exec.c();
+  require_no_dsinks(attn);
+  p.sinks = attn.sinks.c();
   return p;
 }
 

@@ -112,6 +112,7 @@ class flare_fwd_params(ctypes.Structure):
         ("exec", flare_exec_options),
         ("arch_path", c_int32),
         ("block_table", flare_tensor),
+        ("sinks", flare_tensor),
     ]
 
 
@@ -136,6 +137,8 @@ class flare_bwd_params(ctypes.Structure):
         ("attn", flare_attn_options),
         ("exec", flare_exec_options),
         ("arch_path", c_int32),
+        ("sinks", flare_tensor),
+        ("dsinks", flare_tensor),
     ]
 
 
@@ -159,6 +162,7 @@ class flare_kvcache_params(ctypes.Structure):
         ("softmax_lse", flare_tensor),
         ("attn", flare_attn_options),
         ("exec", flare_exec_options),
+        ("sinks", flare_tensor),
     ]
 
 

@@ -5,6 +5,9 @@ import ...`) instead of `from flash_attn import ...`. What flare does not do rai
 names the argument: dropout_p > 0, and so attention probabilities (flash-attn returns none without dropout
 either: with dropout_p == 0, return_attn_probs=True gives (out, softmax_lse, an empty tensor), and so does
 flare — the way callers get softmax_lse). Extras beyond flash-attn 2.x on flash_attn_varlen_func: seqused_k, out=, return_softmax_lse.
+Extra on every function, keyword-only: s_aux=None, learnable attention sinks (GPT-OSS; the name vLLM's
+flash-attention takes them by): a (nheads) tensor of logits whose exp joins each head's softmax denominator
+(flare.ops module docstring), differentiable; softmax_lse then counts them.
 Extra on every function but flash_attn_with_kvcache, keyword-only: arch_path="auto" | "sm80" | "sm90", the CUDA
 kernels of the forward ("auto": the sm90 ones on an H100/H200 for the calls they cover, else the sm80 ones; a
 forced "sm90" that cannot run raises NotImplementedError saying why; the CPU ignores it; the backward always
@@ -47,6 +50,12 @@ def _scale(softmax_scale: Optional[float]) -> float:
     return float(softmax_scale)
 
 
+def _sinks(s_aux):
+    if s_aux is not None and not isinstance(s_aux, torch.Tensor):
+        _checks.reject(f"s_aux is a {type(s_aux).__name__}: learnable sinks are a tensor of shape (nheads), or None")
+    return s_aux
+
+
 def _window(window_size) -> Tuple[int, int]:
     try:
         left, right = window_size
@@ -61,46 +70,46 @@ def _result(out: Tensor, lse: Tensor, return_attn_probs: bool):
 
 
 def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-           arch_path):
+           arch_path, s_aux):
     _check_unsupported(dropout_p)
     left, right = _window(window_size)
     return ops.fwd(q, k, v, None, None, None, 0, 0, alibi_slopes, _scale(softmax_scale), bool(causal),
-                   left, right, float(softcap), bool(deterministic), str(arch_path))
+                   left, right, float(softcap), bool(deterministic), str(arch_path), None, _sinks(s_aux))
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                    arch_path="auto"):
+                    arch_path="auto", s_aux=None):
     """q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim) -> out like q
     (with return_attn_probs: (out, softmax_lse (batch, nheads, seqlen_q), empty S_dmask)).
-    arch_path: the CUDA kernels of the forward, "auto", "sm80" or "sm90" (module docstring)."""
+    arch_path: the CUDA kernels of the forward, "auto", "sm80" or "sm90"; s_aux: sinks (module docstring)."""
     out, lse = _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      deterministic, arch_path)
+                      deterministic, arch_path, s_aux)
     return _result(out, lse, return_attn_probs)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                              arch_path="auto"):
+                              arch_path="auto", s_aux=None):
     """qkv (batch, seqlen, 3, nheads, headdim) -> out (batch, seqlen, nheads, headdim)."""
     out, lse = _dense(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
-                      softcap, alibi_slopes, deterministic, arch_path)
+                      softcap, alibi_slopes, deterministic, arch_path, s_aux)
     return _result(out, lse, return_attn_probs)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                             arch_path="auto"):
+                             arch_path="auto", s_aux=None):
     """q (batch, seqlen_q, nheads, headdim), kv (batch, seqlen_k, 2, nheads_k, headdim)."""
     out, lse = _dense(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic, arch_path)
+                      alibi_slopes, deterministic, arch_path, s_aux)
     return _result(out, lse, return_attn_probs)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None,
-                           *, seqused_k=None, out=None, return_softmax_lse=False, arch_path="auto"):
+                           *, seqused_k=None, out=None, return_softmax_lse=False, arch_path="auto", s_aux=None):
     """q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim), cu_seqlens_q/k int32 (batch + 1).
     With block_table, k/v are a paged cache (num_blocks, block_size, nheads_k, headdim), any block_size >= 1,
     read in place by the library (no gather); each sequence's key count is seqused_k[b] when given, else its
@@ -122,7 +131,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
         _checks.output(out, "out", (*q.shape[:-1], v.shape[-1]), q)
     result, lse = ops.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                           alibi_slopes, scale, bool(causal), left, right, float(softcap),
-                          bool(deterministic), str(arch_path), block_table)
+                          bool(deterministic), str(arch_path), block_table, _sinks(s_aux))
     if out is not None:
         out.copy_(result)
         result = out
@@ -133,28 +142,29 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                     deterministic=False, return_attn_probs=False, *, arch_path="auto"):
+                                     deterministic=False, return_attn_probs=False, *, arch_path="auto",
+                                     s_aux=None):
     """qkv (total, 3, nheads, headdim), cu_seqlens int32 (batch + 1)."""
     return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen,
                                   max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
-                                  alibi_slopes, deterministic, return_attn_probs, arch_path=arch_path)
+                                  alibi_slopes, deterministic, return_attn_probs, arch_path=arch_path, s_aux=s_aux)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                                     softcap=0.0, alibi_slopes=None, deterministic=False,
-                                    return_attn_probs=False, *, arch_path="auto"):
+                                    return_attn_probs=False, *, arch_path="auto", s_aux=None):
     """q (total_q, nheads, headdim), kv (total_k, 2, nheads_k, headdim)."""
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
-                                  alibi_slopes, deterministic, return_attn_probs, arch_path=arch_path)
+                                  alibi_slopes, deterministic, return_attn_probs, arch_path=arch_path, s_aux=s_aux)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False):
+                            return_softmax_lse=False, *, s_aux=None):
     """Inference attention against a KV cache, dense (batch_cache, seqlen_cache, nheads_k, headdim) or paged
     (num_blocks, block_size, nheads_k, headdim) with block_table. k/v (batch, seqlen_new, nheads_k, headdim)
     are rotated (if rotary_cos/sin are given) and written into the cache in place at cache_seqlens, then
@@ -167,5 +177,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     num_splits = _checks.integer(num_splits, "num_splits")
     out, lse = ops.fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
                                block_table, rotary_cos, rotary_sin, bool(rotary_interleaved), num_splits,
-                               alibi_slopes, _scale(softmax_scale), bool(causal), left, right, float(softcap))
+                               alibi_slopes, _scale(softmax_scale), bool(causal), left, right, float(softcap),
+                               _sinks(s_aux))
     return (out, lse) if return_softmax_lse else out

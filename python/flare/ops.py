@@ -16,6 +16,12 @@ Layouts (FlashAttention's):
           CPU only in this release; the library reads and checks the table, Python gathers nothing)
 softmax_lse is an output for callers that want it; it is not differentiable (its gradient is ignored).
 
+sinks (fwd, fwd_kvcache): optional learnable attention sinks (GPT-OSS's s_aux), one logit per query head,
+shape (nheads), any float dtype (passed to the library as fp32): exp(sinks[h]) joins every softmax
+denominator of head h without a value, and softmax_lse counts it. Differentiable through flare::fwd: their
+gradient, -sum over each head's rows of exp(sinks[h] - lse) * rowsum(dout * out), is formed here from the
+forward's out and lse (torch ops, so on any device), in the sinks' dtype.
+
 arch_path (the forward ops): which CUDA kernels run the call, "auto" (default: the sm90 kernels on a compute
 capability 9.0 GPU for the calls they cover, else the sm80 ones), "sm80" or "sm90" (NotImplementedError, with
 the reason, for a call the sm90 kernels cannot run). The CPU ignores it; the backward always runs the sm80
@@ -54,6 +60,15 @@ def _attn_options(ref: Tensor, softmax_scale: float, causal: bool, window_left: 
         keep.append(slopes)
         opts.alibi_slopes = _capi.tensor_view(slopes)
     return opts, keep
+
+
+def _sinks_view(p, sinks: Optional[Tensor]):
+    """p.sinks = a view of sinks as fp32 (the ABI's dtype); returns the tensor it points into (keep it alive)."""
+    if sinks is None:
+        return None
+    sinks = sinks.detach().to(dtype=torch.float32).contiguous()
+    p.sinks = _capi.tensor_view(sinks)
+    return sinks
 
 
 def _exec_options(ref: Tensor):
@@ -158,7 +173,7 @@ def _options(softmax_scale, window_left, window_right, softcap):
 
 
 def _check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
-                     softmax_scale, window_left, window_right, softcap, grads=(), block_table=None):
+                     softmax_scale, window_left, window_right, softcap, grads=(), block_table=None, sinks=None):
     """flare::fwd's and flare::bwd's arguments (grads: bwd's ((name, tensor), ...) of dout, out, softmax_lse).
     block_table (fwd): k/v are a paged cache, rank 4; the library checks the table's contents."""
     rank, layout = (4, _DENSE) if cu_seqlens_q is None else (3, _VARLEN)
@@ -167,7 +182,7 @@ def _check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_
         rank_kv, layout = 4, _PAGED
     int32s, float32s = _options(softmax_scale, window_left, window_right, softcap)
     _checks.call(layout, (("q", q, rank), ("k", k, rank_kv), ("v", v, rank_kv)),
-                 (("alibi_slopes", alibi_slopes),) + grads,
+                 (("alibi_slopes", alibi_slopes), ("sinks", sinks)) + grads,
                  (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("seqused_k", seqused_k),
                   ("block_table", block_table)),
                  (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)) + int32s, float32s)
@@ -175,11 +190,11 @@ def _check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_
 
 def _check_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                    rotary_cos, rotary_sin, num_splits, alibi_slopes, softmax_scale, window_left, window_right,
-                   softcap):
+                   softcap, sinks=None):
     int32s, float32s = _options(softmax_scale, window_left, window_right, softcap)
     _checks.call(_KVCACHE, (("q", q, 4), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)),
                  (("k_new", k_new), ("v_new", v_new), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-                  ("alibi_slopes", alibi_slopes)),
+                  ("alibi_slopes", alibi_slopes), ("sinks", sinks)),
                  (("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
                   ("cache_leftpad", cache_leftpad), ("block_table", block_table)),
                  (("num_splits", num_splits),) + int32s, float32s)
@@ -205,13 +220,13 @@ def fwd_eager(q: Tensor, k: Tensor, v: Tensor,
               max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor],
               softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
               deterministic: bool, arch_path: str = "auto",
-              block_table: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+              block_table: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """flare::fwd's computation called directly, without torch's custom-op dispatch (50 us less host time
     per call, 55 for bwd_eager, on a 2-core EPYC: bench/cpu/host_cost.py): no autograd, not traceable by
     torch.compile. For code that holds its own autograd and issues many calls (flare.distributed's ring);
     everything else should call fwd."""
     _check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
-                     softmax_scale, window_left, window_right, softcap, block_table=block_table)
+                     softmax_scale, window_left, window_right, softcap, block_table=block_table, sinks=sinks)
     varlen = cu_seqlens_q is not None
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     out_shape, lse_shape = _out_shape(q, v), _lse_shape(q, varlen)
@@ -227,13 +242,14 @@ def fwd_eager(q: Tensor, k: Tensor, v: Tensor,
     p.max_seqlen_q, p.max_seqlen_k = max_seqlen_q, max_seqlen_k
     p.attn, keep = _attn_options(q, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
     p.arch_path = _capi.arch_path_value(arch_path)
+    sinks32 = _sinks_view(p, sinks)
     entry = lib.fwd_varlen if varlen else lib.fwd
     nbytes = _validate(q, entry, lambda p: lib.fwd_workspace_size(p, varlen), p)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     p.out.data, p.softmax_lse.data = out.data_ptr(), lse.data_ptr()  # laid out as planned
     _run(q, entry, nbytes, p)
-    del keep, index
+    del keep, index, sinks32
     return out, lse
 
 
@@ -242,20 +258,22 @@ def fwd(q: Tensor, k: Tensor, v: Tensor,
         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
         max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor],
         softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-        deterministic: bool, arch_path: str = "auto", block_table: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        deterministic: bool, arch_path: str = "auto", block_table: Optional[Tensor] = None,
+        sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Forward attention; dense when cu_seqlens_q is None, else varlen (paged with block_table). Returns (out,
     softmax_lse). deterministic only matters to the backward; it is here so autograd can hand it on. arch_path:
-    the CUDA kernels ("auto", "sm80", "sm90"; see the module docstring)."""
+    the CUDA kernels ("auto", "sm80", "sm90"; see the module docstring). sinks: learnable sinks (nheads)."""
     return fwd_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
                      softmax_scale, causal, window_left, window_right, softcap, deterministic, arch_path,
-                     block_table)
+                     block_table, sinks)
 
 
 @fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
-      softmax_scale, causal, window_left, window_right, softcap, deterministic, arch_path="auto", block_table=None):
+      softmax_scale, causal, window_left, window_right, softcap, deterministic, arch_path="auto", block_table=None,
+      sinks=None):
     _check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
-                     softmax_scale, window_left, window_right, softcap, block_table=block_table)
+                     softmax_scale, window_left, window_right, softcap, block_table=block_table, sinks=sinks)
     _capi.arch_path_value(arch_path)  # a bad name fails when traced as it would when run
     varlen = cu_seqlens_q is not None
     out = q.new_empty(_out_shape(q, v))
@@ -323,13 +341,29 @@ def _(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_k, ma
 
 _FWD_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "max_seqlen_q", "max_seqlen_k", "alibi_slopes",
                 "softmax_scale", "causal", "window_left", "window_right", "softcap", "deterministic", "arch_path",
-                "block_table")
+                "block_table", "sinks")
+
+
+def sink_gradient(sinks: Tensor, out: Tensor, dout: Tensor, softmax_lse: Tensor) -> Tensor:
+    """The gradient of sum(out * dout) by learnable sinks (nheads), from a forward's out and softmax_lse (which
+    counts the sinks): dsinks[h] = -sum over head h's rows of exp(sinks[h] - lse) * rowsum(dout * out), in fp32,
+    returned in sinks' dtype. Dense out (batch, seqlen_q, nheads, headdim_v) with lse (batch, nheads, seqlen_q),
+    or varlen out (total_q, nheads, headdim_v) with lse (nheads, total_q)."""
+    d = (dout.float() * out.float()).sum(-1)  # rowsum(dout * out): (batch, seqlen_q, nheads) or (total_q, nheads)
+    s = sinks.float()
+    if out.dim() == 4:
+        share = torch.exp(s[None, :, None] - softmax_lse) * d.transpose(1, 2)
+        grad = -share.sum(dim=(0, 2))
+    else:
+        grad = -(torch.exp(s[:, None] - softmax_lse) * d.transpose(0, 1)).sum(dim=1)
+    return grad.to(sinks.dtype)
 
 
 def _fwd_setup_context(ctx, inputs, output):
     q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes, *options = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes)
+    sinks = options[8] if len(options) > 8 else None
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, sinks)
     # softmax_scale, causal, window_left, window_right, softcap, deterministic; arch_path stays with the forward
     # (the backward has the sm80 kernels alone).
     ctx.scalars = (max_seqlen_q, max_seqlen_k) + tuple(options[:6])
@@ -341,11 +375,15 @@ def _fwd_backward(ctx, dout, dlse):
     if ctx.paged:
         raise NotImplementedError("flare: the backward of a paged varlen forward (block_table) is not supported: "
                                   "the paged layout serves inference; pass varlen k/v to train through it")
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, sinks = ctx.saved_tensors
     max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, det = ctx.scalars
     dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                      max_seqlen_k, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, det)
-    return (dq, dk, dv) + (None,) * len(_FWD_OPTIONS)
+    # The lse carries the sinks into dq/dk/dv; their own gradient comes from out and lse.
+    dsinks = None
+    if sinks is not None and ctx.needs_input_grad[3 + _FWD_OPTIONS.index("sinks")]:
+        dsinks = sink_gradient(sinks, out, dout, lse)
+    return (dq, dk, dv) + (None,) * (len(_FWD_OPTIONS) - 1) + (dsinks,)
 
 
 fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -360,12 +398,13 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optional[Ten
                 cache_leftpad: Optional[Tensor], block_table: Optional[Tensor],
                 rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], rotary_interleaved: bool,
                 num_splits: int, alibi_slopes: Optional[Tensor], softmax_scale: float, causal: bool,
-                window_left: int, window_right: int, softcap: float) -> tuple[Tensor, Tensor]:
+                window_left: int, window_right: int, softcap: float,
+                sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Attention of q against a (dense or paged) KV cache, appending k_new/v_new to it in place first.
-    Returns (out, softmax_lse)."""
+    Returns (out, softmax_lse). sinks: learnable sinks (nheads), as in fwd."""
     _check_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                    rotary_cos, rotary_sin, num_splits, alibi_slopes, softmax_scale, window_left, window_right,
-                   softcap)
+                   softcap, sinks)
     q = _last_dim_contiguous(q)
     k_new, v_new = _last_dim_contiguous(k_new), _last_dim_contiguous(v_new)
     rotary_cos, rotary_sin = _last_dim_contiguous(rotary_cos), _last_dim_contiguous(rotary_sin)
@@ -385,22 +424,23 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optional[Ten
     p.out = _capi.planned_view(out_shape, q.dtype, q.device)
     p.softmax_lse = _capi.planned_view(lse_shape, torch.float32, q.device)
     p.attn, keep = _attn_options(q, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
+    sinks32 = _sinks_view(p, sinks)
     nbytes = _validate(q, lib.fwd_kvcache, lib.kvcache_workspace_size, p)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     p.out.data, p.softmax_lse.data = out.data_ptr(), lse.data_ptr()  # laid out as planned
     _run(q, lib.fwd_kvcache, nbytes, p)
-    del keep, index
+    del keep, index, sinks32
     return out, lse
 
 
 @fwd_kvcache.register_fake
 def _(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
       rotary_cos, rotary_sin, rotary_interleaved, num_splits, alibi_slopes, softmax_scale, causal,
-      window_left, window_right, softcap):
+      window_left, window_right, softcap, sinks=None):
     _check_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                    rotary_cos, rotary_sin, num_splits, alibi_slopes, softmax_scale, window_left, window_right,
-                   softcap)
+                   softcap, sinks)
     return q.new_empty(_out_shape(q, v_cache)), q.new_empty(_lse_shape(q, False), dtype=torch.float32)
 
 

@@ -210,6 +210,15 @@ void check_head_dim(int64_t value, const char* what) {
   if (value < 1 || value > 256) reject(cat(what, " is ", value, ": head dims must be in 1..256"));
 }
 
+float* check_sinks(const flare_tensor& sinks, const char* name, const flare_tensor& q, int64_t nheads) {
+  if (!is_present(sinks)) return nullptr;
+  check_tensor(sinks, name);
+  require_same_device(sinks, name, q, "q");
+  require_dtype(sinks, name, FLARE_DTYPE_F32, "sinks are fp32, one logit per query head");
+  require_shape(sinks, name, {nheads}, "(nheads)");
+  return static_cast<float*>(sinks.data);
+}
+
 void check_heads(int64_t nheads, int64_t nheads_k, const char* k_name) {
   if (nheads < 1) reject(cat("q has ", nheads, " heads: it needs at least 1"));
   if (nheads_k < 1) reject(cat(k_name, " has ", nheads_k, " heads: it needs at least 1"));

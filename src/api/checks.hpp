@@ -95,6 +95,14 @@ flare_status run_checks(Fn&& fn) {
 // version of the struct (`type` names it). Fields appended since are read only where struct_size covers them.
 void check_struct_size(const void* params, size_t struct_size, size_t minimum, const char* type);
 
+// Whether the caller's struct (its struct_size) reaches to the end of a field appended after 0.1.0.
+template <class Params, class Field>
+bool covers(const Params& params, Field Params::*field) {
+  const char* base = reinterpret_cast<const char*>(&params);
+  const char* at = reinterpret_cast<const char*>(&(params.*field));
+  return params.struct_size >= static_cast<size_t>(at - base) + sizeof(Field);
+}
+
 // A params struct's arch_path: one of flare_arch_path's values.
 flare_arch_path check_arch_path(int32_t arch_path);
 
@@ -114,6 +122,9 @@ void require_output_dtype(const flare_tensor& out, const char* name, const flare
 // returns the normalised score parameters (scale resolved, causal folded into window_right = 0).
 ScoreParams check_attn_options(const flare_attn_options& attn, const flare_tensor& q, int64_t batch,
                                int64_t nheads, int64_t headdim);
+// Learnable sinks (flare.h) of a call whose q has nheads heads: absent (nullptr), or fp32 (nheads) on q's
+// device, and then its data. `name` is "sinks" or "dsinks" (the backward's gradient, which is written).
+float* check_sinks(const flare_tensor& sinks, const char* name, const flare_tensor& q, int64_t nheads);
 // Checks exec and copies it into the problem; the device comes from `device`.
 void check_exec_options(const flare_exec_options& exec, const flare_device& device, Problem* problem);
 

@@ -56,11 +56,17 @@ constexpr const char kNoCudaPagedVarlen[] =
     "flare_fwd_varlen with block_table (a paged KV cache) runs on the CPU only in this release: on CUDA "
     "tensors use flare_fwd_kvcache (block_table there), or gather the cache into varlen k/v";
 
+constexpr const char kNoCudaSinks[] =
+    "learnable sinks (sinks) run on the CPU only in this release: CUDA tensors cannot take them yet";
+// What the CUDA backend does not take, named before anything runs; nullptr when it takes the call.
+const char* cuda_gap(const Problem& problem) {
+  if (problem.pass == Pass::kForward && problem.block_table != nullptr) return kNoCudaPagedVarlen;
+  if (problem.sinks != nullptr) return kNoCudaSinks;
+  return nullptr;
+}
 flare_status dispatch(const Problem& problem, flare_status (*run)(const Problem&)) {
   if (problem.device.type == FLARE_DEVICE_CUDA) {
-    if (problem.pass == Pass::kForward && problem.block_table != nullptr) {
-      return fail(FLARE_UNSUPPORTED, kNoCudaPagedVarlen);
-    }
+    if (const char* gap = cuda_gap(problem)) return fail(FLARE_UNSUPPORTED, gap);
 #if FLARE_WITH_CUDA
     switch (problem.pass) {
       case Pass::kForward: return cuda::forward(problem);
@@ -76,9 +82,7 @@ flare_status dispatch(const Problem& problem, flare_status (*run)(const Problem&
 
 flare_status report_workspace(const Problem& problem, size_t* bytes) {
   if (problem.device.type == FLARE_DEVICE_CUDA) {
-    if (problem.pass == Pass::kForward && problem.block_table != nullptr) {
-      return fail(FLARE_UNSUPPORTED, kNoCudaPagedVarlen);
-    }
+    if (const char* gap = cuda_gap(problem)) return fail(FLARE_UNSUPPORTED, gap);
 #if FLARE_WITH_CUDA
     if (problem.pass == Pass::kKvCache) return cuda::kvcache(problem);
     return cuda::workspace_size(problem, bytes);

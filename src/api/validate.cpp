@@ -340,6 +340,7 @@ flare_status validate_fwd(const flare_fwd_params* params, bool varlen, Problem* 
     Problem p;
     check_attention(args, &p);
     p.arch_path = read_arch_path(f);
+    if (covers(f, &flare_fwd_params::sinks)) p.sinks = check_sinks(f.sinks, "sinks", f.q, p.nheads);
     require_no_overlap(f.out, "out");
     if (is_present(f.softmax_lse)) require_no_overlap(f.softmax_lse, "softmax_lse");
     *problem = p;
@@ -380,6 +381,14 @@ flare_status validate_bwd(const flare_bwd_params* params, bool varlen, Problem* 
       reject(cat("deterministic is ", b.deterministic, ": it must be 0 or 1"));
     }
     p.arch_path = read_arch_path(b);
+    if (covers(b, &flare_bwd_params::sinks)) {
+      p.sinks = check_sinks(b.sinks, "sinks", b.q, p.nheads);
+      p.dsinks = check_sinks(b.dsinks, "dsinks", b.q, p.nheads);
+      if (p.dsinks != nullptr && p.sinks == nullptr) {
+        reject("dsinks is given but sinks is absent: the sinks' gradient needs the sinks of the forward");
+      }
+      if (p.dsinks != nullptr) require_no_overlap(b.dsinks, "dsinks");
+    }
     for (int i = 1; i < 4; ++i) require_no_overlap(*grads[i].first, grads[i].second);
     const auto operand = varlen ? varlen_operand : dense_operand;
     p.dout = operand(b.dout);

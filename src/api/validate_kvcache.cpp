@@ -4,6 +4,7 @@
 // nheads_k, headdim) with a block_table. On the CPU the index tensors are read here, so that every cache
 // position the pass will read or write, and every rotary row it will use, is known to exist.
 #include <algorithm>
+#include <cstddef>
 #include <vector>
 
 #include "api/checks.hpp"
@@ -291,7 +292,7 @@ void check_kvcache_indices(const flare_kvcache_params& f, const CacheShape& c, c
 
 flare_status validate_kvcache(const flare_kvcache_params* params, Problem* problem) {
   return run_checks([&] {
-    check_struct_size(params, params ? params->struct_size : 0, sizeof(flare_kvcache_params),
+    check_struct_size(params, params ? params->struct_size : 0, offsetof(flare_kvcache_params, sinks),
                       "flare_kvcache_params");
     const flare_kvcache_params& f = *params;
     Problem p;
@@ -331,6 +332,7 @@ flare_status validate_kvcache(const flare_kvcache_params* params, Problem* probl
     }
     p.rotary_interleaved = f.rotary_interleaved == 1;
     p.num_splits = f.num_splits;
+    if (covers(f, &flare_kvcache_params::sinks)) p.sinks = check_sinks(f.sinks, "sinks", f.q, p.nheads);
     *problem = p;
   });
 }

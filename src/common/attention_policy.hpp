@@ -5,6 +5,7 @@
 // of query i is key i + seqlen_k - seqlen_q (bottom-right alignment, as in FlashAttention).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #if defined(__CUDACC__)
@@ -85,6 +86,26 @@ FLARE_HD KeyBlocks key_blocks_of(WindowMask const& mask, int64_t i0, int64_t i1,
   if (ulo < first) ulo = first;
   if (uhi > last) uhi = last;
   return {first, ulo, uhi, last};
+}
+
+// A learnable sink (flare.h) folded into a finished row: lse = log(sum of the row's exponentials) and the
+// sink's logit give the row's lse with the sink in its denominator, and the factor its normalised output is
+// multiplied by (exp(lse - new lse) <= 1). A row that saw no key (lse = -inf) gets lse = sink, factor 0;
+// a sink of -inf changes nothing. Computed as max + log1p(exp(-|difference|)): no overflow either way.
+template <class T>
+struct SinkFold {
+  T lse;
+  T factor;
+};
+template <class T>
+FLARE_HD SinkFold<T> fold_sink(T lse, T sink) {
+  using std::exp;
+  using std::log1p;
+  if (sink == -INFINITY) return {lse, T(1)};
+  if (lse == -INFINITY) return {sink, T(0)};
+  const T hi = lse > sink ? lse : sink, lo = lse > sink ? sink : lse;
+  const T folded = hi + log1p(exp(lo - hi));
+  return {folded, exp(lse - folded)};
 }
 
 // ALiBi bias of query i and key j: -slope * |diagonal(i) - j|.

@@ -91,6 +91,10 @@ struct Problem {
   int64_t num_splits = 0;
 
   ScoreParams score;
+  // Learnable sinks (flare.h): one fp32 logit per query head joining each row's softmax denominator, or
+  // nullptr. dsinks (backward, optional): the sinks' gradient, fp32 (nheads), written.
+  const float* sinks = nullptr;
+  float* dsinks = nullptr;
   bool deterministic = false;
 
   // Execution.

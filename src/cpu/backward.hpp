@@ -20,6 +20,7 @@
 #include "cpu/groups.hpp"
 #include "cpu/score_tile.hpp"
 #include "cpu/sequences.hpp"
+#include "cpu/sinks.hpp"
 #include "cpu/tile_gemm.hpp"
 #include "cpu/unseen_values.hpp"
 
@@ -334,6 +335,7 @@ inline void run_backward(const Problem& p, void* scratch, int nt) {
   run_groups<Engine>(p, scratch, nt, [&](const auto& ws, const Sequence& seq, int64_t hk, int tid, auto shared) {
     backward_group<Engine, decltype(shared)::value>(p, seq, hk, ws, tid, nt);
   });
+  sink_gradient(p, nt);
 }
 
 }  // namespace flare::cpu::FLARE_ISA

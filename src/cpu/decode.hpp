@@ -247,12 +247,13 @@ inline void decode_split(const Problem& p, const DecodeScratch& ws, const Decode
   }
 }
 
-// Row r's out and lse from an output o (scaled by 1/l) and its lse.
+// Row r's out and lse from an output o (scaled by 1/l) and its lse, the head's sink folded into both.
 inline void decode_store(const Problem& p, const Sequence& seq, int64_t hk, int64_t r, const float* o, float inv,
                          float lse) {
   const int64_t group = p.nheads / p.nheads_k, h = hk * group + r / seq.seqlen_q, i = r % seq.seqlen_q;
-  store_row<float>(o, inv, query_rows(p, p.out, seq, h).row(i), p.dtype, p.headdim_v);
-  if (float* lrow = lse_row(p, seq, h)) lrow[i] = lse;
+  const policy::SinkFold<float> row = policy::fold_sink(lse, sink_of(p, h));
+  store_row<float>(o, inv * row.factor, query_rows(p, p.out, seq, h).row(i), p.dtype, p.headdim_v);
+  if (float* lrow = lse_row(p, seq, h)) lrow[i] = row.lse;
 }
 
 inline void run_decode(const Problem& p, void* scratch, int nt) {

@@ -192,16 +192,18 @@ inline void scale_row(T* x, int64_t n, T factor) {
   for (int64_t c = 0; c < n; c += W) vstore(x + c, vload(x + c) * factor);
 }
 
-// Writes out = o / l (0 where the row saw no key) and lse = m + log l (-inf there) for rows [i0, i0 + rows).
+// Writes out = o / l (0 where the row saw no key) and lse = m + log l (-inf there) for rows [i0, i0 + rows),
+// with the head's sink (-inf: none) folded into both (policy::fold_sink).
 template <class T>
 inline void finish_rows(const Problem& p, T* o, int64_t ldo, const T* m, const T* l, int64_t rows,
-                        const RowPtr& orows, float* lse, int64_t i0) {
+                        const RowPtr& orows, float* lse, int64_t i0, float sink) {
   for (int64_t r = 0; r < rows; ++r) {
     const bool empty = l[r] == T(0);
     T* orow = o + r * ldo;
     if (empty) for (int64_t c = 0; c < p.headdim_v; ++c) orow[c] = T(0);
-    store_row<T>(orow, empty ? T(0) : T(1) / l[r], orows.row(i0 + r), p.dtype, p.headdim_v);
-    if (lse) lse[i0 + r] = empty ? kNegInf : static_cast<float>(m[r] + std::log(l[r]));
+    const auto row = policy::fold_sink<T>(empty ? static_cast<T>(kNegInf) : m[r] + std::log(l[r]), sink);
+    store_row<T>(orow, empty ? T(0) : row.factor / l[r], orows.row(i0 + r), p.dtype, p.headdim_v);
+    if (lse) lse[i0 + r] = static_cast<float>(row.lse);
   }
 }
 
@@ -293,7 +295,8 @@ inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int6
   }
 
   for (int64_t g = 0; g < ntiles; ++g)
-    finish_rows<T>(p, tiles[g].o, dvp, tiles[g].m, tiles[g].l, tiles[g].rows, orows, lse, tiles[g].i0);
+    finish_rows<T>(p, tiles[g].o, dvp, tiles[g].m, tiles[g].l, tiles[g].rows, orows, lse, tiles[g].i0,
+                   sink_of(p, h));
 }
 
 // The fp32/fp64 FMA engine: what run_forward needs from a compute path.

@@ -122,7 +122,8 @@ struct DotForward {
                      t.vpack + kb * (kBk / 2) * ws.ldv, ws.ldv, t.o, dvpad);  // O += P V
       add_seen_nonfinite_values<float>(p, seq, h, t.v_flags + j0, j0, cols, i0, rows, t.o, dvpad);
     }
-    finish_rows<float>(p, t.o, dvpad, t.m, t.l, rows, query_rows(p, p.out, seq, h), lse_row(p, seq, h), i0);
+    finish_rows<float>(p, t.o, dvpad, t.m, t.l, rows, query_rows(p, p.out, seq, h), lse_row(p, seq, h), i0,
+                       sink_of(p, h));
   }
 };
 

@@ -33,6 +33,8 @@ void check_sequence(const Dims& dims, const Options& opts, const Sequence& seq) 
           "v has the wrong size");
   require(opts.alibi_slopes.empty() || static_cast<int64_t>(opts.alibi_slopes.size()) == dims.nheads,
           "alibi_slopes must have nheads entries");
+  require(opts.sinks.empty() || static_cast<int64_t>(opts.sinks.size()) == dims.nheads,
+          "sinks must have nheads entries");
 }
 
 double resolved_scale(const Dims& dims, const Options& opts) {
@@ -79,15 +81,17 @@ void row_scores(const Dims& dims, const Options& opts, const Sequence& seq, int6
   }
 }
 
-// Log-sum-exp of a score row; -inf when every entry is -inf.
-double log_sum_exp(const std::vector<double>& s) {
-  double m = kNegInf;
+// Log-sum-exp of a score row and an extra term `sink` (-inf: none); -inf when every entry is -inf.
+double log_sum_exp(const std::vector<double>& s, double sink) {
+  double m = sink;
   for (double x : s) m = std::max(m, x);
   if (m == kNegInf) return kNegInf;
-  double sum = 0.0;
+  double sum = std::exp(sink - m);
   for (double x : s) sum += std::exp(x - m);
   return m + std::log(sum);
 }
+
+double sink_of(const Options& opts, int64_t h) { return opts.sinks.empty() ? kNegInf : opts.sinks[h]; }
 
 }  // namespace
 
@@ -113,9 +117,9 @@ ForwardResult forward(const Dims& dims, const Options& opts, const Sequence& seq
     const int64_t hk = h / group;
     for (int64_t i = 0; i < seq.seqlen_q; ++i) {
       row_scores(dims, opts, seq, h, i, rs, round_scores);
-      const double lse = log_sum_exp(rs.score);
+      const double lse = log_sum_exp(rs.score, sink_of(opts, h));
       r.lse[h * seq.seqlen_q + i] = lse;
-      if (lse == kNegInf) continue;  // no visible key: out stays 0
+      if (lse == kNegInf) continue;  // no visible key (nor sink): out stays 0
       for (int64_t j = 0; j < seq.seqlen_k; ++j) p[j] = apply_round(round, std::exp(rs.score[j] - lse));
       double* oi = &r.out[(i * dims.nheads + h) * dims.headdim_v];
       for (int64_t j = 0; j < seq.seqlen_k; ++j) {
@@ -144,6 +148,7 @@ Gradients backward(const Dims& dims, const Options& opts, const Sequence& seq, c
   g.dq.assign(seq.q.size(), 0.0);
   g.dk.assign(seq.k.size(), 0.0);
   g.dv.assign(seq.v.size(), 0.0);
+  if (!opts.sinks.empty()) g.dsinks.assign(dims.nheads, 0.0);
   RowScores rs;
   std::vector<double> p(seq.seqlen_k), dp(seq.seqlen_k);
   for (int64_t h = 0; h < dims.nheads; ++h) {
@@ -158,6 +163,8 @@ Gradients backward(const Dims& dims, const Options& opts, const Sequence& seq, c
       // D_i = sum_j P_ij dP_ij = dout_i · out_i
       double d_row = 0.0;
       for (int64_t c = 0; c < dims.headdim_v; ++c) d_row += doi[c] * oi[c];
+      // The sink's share of the row, exp(sink - lse), shrinks out: d out / d sink = -P_sink out.
+      if (!opts.sinks.empty()) g.dsinks[h] -= std::exp(opts.sinks[h] - lse) * d_row;
       for (int64_t j = 0; j < seq.seqlen_k; ++j) {
         p[j] = dp[j] = 0.0;
         if (rs.score[j] == kNegInf) continue;

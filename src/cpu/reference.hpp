@@ -14,7 +14,9 @@
 //   mask:        key j visible to query i iff  i + sk - sq - left <= j <= i + sk - sq + right
 //                (a side of -1 is unbounded; causal sets right = 0);
 //   GQA:         query head h reads kv head h / (nheads / nheads_k);
-//   a query row with no visible key gets out = 0 and lse = -inf.
+//   sinks:       exp(sink_h) joins every row's softmax denominator (no value): lse = log(sum_j exp(score_j)
+//                + exp(sink_h)), P_j = exp(score_j - lse);
+//   a query row with no visible key gets out = 0 and lse = -inf (sink_h with sinks).
 #pragma once
 
 #include <cstdint>
@@ -36,6 +38,7 @@ struct Options {
   int64_t window_left = -1;    // -1 = unbounded
   int64_t window_right = -1;   // -1 = unbounded
   std::vector<double> alibi_slopes;  // this sequence's slope per query head (nheads); empty = no ALiBi
+  std::vector<double> sinks;         // learnable sink logit per query head (nheads); empty = none
 };
 
 // Models a computation that keeps its intermediates in a low-precision dtype ("same-dtype naive"): when
@@ -59,6 +62,7 @@ struct Gradients {
   std::vector<double> dq;  // like q
   std::vector<double> dk;  // like k, summed over the query heads of a group
   std::vector<double> dv;  // like v, likewise
+  std::vector<double> dsinks;  // per query head (nheads) when Options::sinks is set, else empty
 };
 
 // Whether query i sees key j in a sequence of these lengths (the mask only; ALiBi and softcap aside).

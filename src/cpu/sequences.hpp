@@ -154,6 +154,9 @@ inline float alibi_slope(const Problem& p, const Sequence& s, int64_t h) {
   return p.score.alibi_slopes ? p.score.alibi_slopes[s.b * p.score.alibi_batch_stride + h] : 0.0f;
 }
 
+// The sink logit of query head h (flare.h), or -inf when the call has none.
+inline float sink_of(const Problem& p, int64_t h) { return p.sinks ? p.sinks[h] : -__builtin_inff(); }
+
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 }  // namespace flare::cpu::FLARE_ISA

@@ -42,6 +42,7 @@ struct AttnCase {
   bool give_max_seqlen = false;  // varlen: pass the true maxima instead of 0 ("derive them")
   int32_t num_threads = 0;
   bool deterministic = false;    // backward
+  bool sinks = false;            // learnable sinks, one random logit per query head (backward: and dsinks)
 
   int64_t batch() const { return static_cast<int64_t>(seqlens_q.size()); }
 
@@ -68,6 +69,7 @@ struct AttnCase {
     if (layout != Layout::kContiguous) s += layout == Layout::kScattered ? " strided" : " packed-qkv";
     if (!with_lse) s += " no-lse";
     if (num_threads) s += " threads=" + std::to_string(num_threads);
+    if (sinks) s += " sinks";
     return s;
   }
 };
@@ -122,7 +124,7 @@ inline AttnCase random_varlen_case(Rng& rng, int64_t max_batch, int64_t max_len)
 // The inputs of one case: flare views plus, per sequence, the stored values in the reference's layout.
 struct AttnProblem {
   AttnCase c;
-  HostTensor q, k, v, alibi, cu_seqlens_q, cu_seqlens_k, seqused_k;
+  HostTensor q, k, v, alibi, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks;
   std::vector<int64_t> start_q, start_k;  // first token of each sequence (varlen; dense: b * seqlen)
   int64_t total_q = 0, total_k = 0;
   reference::Dims dims;
@@ -194,6 +196,14 @@ inline AttnProblem make_problem(AttnCase c, Rng& rng) {
       for (int64_t h = 0; h < c.nheads; ++h) slopes.push_back(stored[(per_batch ? b * c.nheads : 0) + h]);
   }
 
+  std::vector<double> sinks;  // (nheads): from below the scores' typical lse to above it
+  if (c.sinks) {
+    pb.sinks = HostTensor::contiguous(FLARE_DTYPE_F32, {c.nheads});
+    std::vector<double> raw(c.nheads);
+    for (double& s : raw) s = rng.uniform(-1.0, 3.0);
+    sinks = pb.sinks.assign(raw);
+  }
+
   if (c.varlen) {
     std::vector<int64_t> cu_q{0}, cu_k{0};
     for (int64_t b = 0; b < batch; ++b) {
@@ -222,6 +232,7 @@ inline AttnProblem make_problem(AttnCase c, Rng& rng) {
     o.window_left = c.window_left;
     o.window_right = c.window_right;
     if (!slopes.empty()) o.alibi_slopes.assign(slopes.begin() + b * c.nheads, slopes.begin() + (b + 1) * c.nheads);
+    o.sinks = sinks;
     pb.opts.push_back(std::move(o));
   }
   return pb;
@@ -347,6 +358,7 @@ inline flare_bwd_params bwd_params(const AttnProblem& pb, const HostTensor& out,
   p.deterministic = deterministic ? 1 : 0;
   p.attn = attn_options(pb, p.attn);
   p.exec.num_threads = num_threads;
+  p.sinks = pb.sinks.view();
   return p;
 }
 
@@ -375,6 +387,7 @@ inline ForwardOutputs check_forward(const AttnCase& c_in, Rng& rng, double fp32_
   p.softmax_lse = lse.view();
   p.attn = attn_options(pb, p.attn);
   p.exec.num_threads = c.num_threads;
+  p.sinks = pb.sinks.view();
   ForwardOutputs result;
   if (c.varlen) {
     set_varlen_fields(pb, p);
@@ -423,9 +436,13 @@ inline void check_backward(const AttnCase& c_in, Rng& rng, double fp32_tol, doub
   HostTensor dq = make_like(c, c.dtype, pb.q_shape(c.nheads, c.headdim), rng);
   HostTensor dk = make_like(c, c.dtype, pb.k_shape(c.nheads_k, c.headdim), rng);
   HostTensor dv = make_like(c, c.dtype, pb.k_shape(c.nheads_k, c.headdim_v), rng);
+  HostTensor dsinks;
+  if (c.sinks) dsinks = HostTensor::contiguous(FLARE_DTYPE_F32, {c.nheads});
   for (HostTensor* t : {&dq, &dk, &dv}) t->poison_buffer();
+  if (dsinks.present()) dsinks.poison_buffer();
 
   flare_bwd_params p = bwd_params(pb, out, dout, lse, dq, dk, dv, c.deterministic, c.num_threads);
+  p.dsinks = dsinks.view();
   if (c.varlen) {
     set_varlen_fields(pb, p);
     [&] { FLARE_ASSERT_OK(flare_bwd_varlen(&p)); }();
@@ -436,14 +453,17 @@ inline void check_backward(const AttnCase& c_in, Rng& rng, double fp32_tol, doub
   expect_fully_overwritten(dq, "dq");
   expect_fully_overwritten(dk, "dk");
   expect_fully_overwritten(dv, "dv");
+  if (dsinks.present()) expect_fully_overwritten(dsinks, "dsinks");
 
   // Gradients in flare's layout; keys a sequence does not use (beyond seqused_k) have zero gradient.
   const int64_t qrow = c.nheads * c.headdim, krow = c.nheads_k * c.headdim, vrow = c.nheads_k * c.headdim_v;
   const int64_t orow = c.nheads * c.headdim_v;
-  auto gradients = [&](RoundFn round, std::vector<double>& gq, std::vector<double>& gk, std::vector<double>& gv) {
+  auto gradients = [&](RoundFn round, std::vector<double>& gq, std::vector<double>& gk, std::vector<double>& gv,
+                       std::vector<double>& gs) {
     gq.assign(pb.total_q * qrow, 0.0);
     gk.assign(pb.total_k * krow, 0.0);
     gv.assign(pb.total_k * vrow, 0.0);
+    gs.assign(c.sinks ? c.nheads : 0, 0.0);
     for (int64_t b = 0; b < c.batch(); ++b) {
       const reference::Sequence& s = pb.seqs[b];
       const std::vector<double> seq_dout(dout_values.begin() + pb.start_q[b] * orow,
@@ -457,17 +477,24 @@ inline void check_backward(const AttnCase& c_in, Rng& rng, double fp32_tol, doub
       std::copy(g.dq.begin(), g.dq.end(), gq.begin() + pb.start_q[b] * qrow);
       std::copy(g.dk.begin(), g.dk.end(), gk.begin() + pb.start_k[b] * krow);
       std::copy(g.dv.begin(), g.dv.end(), gv.begin() + pb.start_k[b] * vrow);
+      for (size_t h = 0; h < g.dsinks.size(); ++h) gs[h] += g.dsinks[h];  // summed over the batch
     }
   };
-  std::vector<double> ref_dq, ref_dk, ref_dv, naive_dq, naive_dk, naive_dv;
-  gradients(nullptr, ref_dq, ref_dk, ref_dv);
-  if (is_low_precision(c.dtype)) gradients(rounding_of(c.dtype), naive_dq, naive_dk, naive_dv);
+  std::vector<double> ref_dq, ref_dk, ref_dv, ref_ds, naive_dq, naive_dk, naive_dv, naive_ds;
+  gradients(nullptr, ref_dq, ref_dk, ref_dv, ref_ds);
+  if (is_low_precision(c.dtype)) gradients(rounding_of(c.dtype), naive_dq, naive_dk, naive_dv, naive_ds);
   // No fp32 allowance in the backward: its cases keep scores of unit scale.
   using Naive = std::function<std::vector<double>()>;
   const bool low = is_low_precision(c.dtype);
   expect_matches("dq", c.dtype, dq.values(), ref_dq, low ? Naive([&] { return naive_dq; }) : nullptr, fp32_tol, fp64_tol);
   expect_matches("dk", c.dtype, dk.values(), ref_dk, low ? Naive([&] { return naive_dk; }) : nullptr, fp32_tol, fp64_tol);
   expect_matches("dv", c.dtype, dv.values(), ref_dv, low ? Naive([&] { return naive_dv; }) : nullptr, fp32_tol, fp64_tol);
+  // dsinks is fp32 whatever the dtype, formed from out and dout as stored: the fp32 rule, or for fp16/bf16
+  // the same-dtype rule (its naive model reads the rounded out), at fp32's last place.
+  if (dsinks.present()) {
+    expect_matches("dsinks", low ? c.dtype : FLARE_DTYPE_F32, dsinks.values(), ref_ds,
+                   low ? Naive([&] { return naive_ds; }) : nullptr, fp32_tol);
+  }
 }
 
 }  // namespace flare::test

@@ -96,6 +96,76 @@ TEST(BadInput, StructFromBeforeArchPathRunsAsAuto) {
   }
 }
 
+TEST(BadInput, StructFromBeforeSinksIgnoresThem) {
+  // A struct that ends before sinks (appended after 0.1.0) is read up to its size: a bad sinks view beyond
+  // it is not looked at.
+  Tensor wrong(FLARE_DTYPE_F16, {3});
+  FwdCase f;
+  f.params.struct_size = offsetof(flare_fwd_params, sinks);
+  f.params.sinks = wrong.view;
+  EXPECT_EQ(f.run(), FLARE_OK) << flare_last_error();
+  BwdCase b;
+  ASSERT_EQ(b.run_forward(), FLARE_OK) << flare_last_error();
+  b.params.struct_size = offsetof(flare_bwd_params, sinks);
+  b.params.sinks = wrong.view;
+  b.params.dsinks = wrong.view;
+  EXPECT_EQ(b.run(), FLARE_OK) << flare_last_error();
+  KvCase k;
+  k.params.struct_size = offsetof(flare_kvcache_params, sinks);
+  k.params.sinks = wrong.view;
+  EXPECT_EQ(k.run(), FLARE_OK) << flare_last_error();
+}
+
+TEST(BadInput, Sinks) {
+  // nheads is 4 in every case.
+  for_fwd_entries([](FwdCase& c, auto call) {
+    Tensor wrong(FLARE_DTYPE_F32, {5});
+    c.params.sinks = wrong.view;
+    expect_rejected(c, call, kInvalid, {"sinks has shape (5)", "(nheads)"});
+    Tensor rank2(FLARE_DTYPE_F32, {1, 4});
+    c.params.sinks = rank2.view;
+    expect_rejected(c, call, kInvalid, {"sinks has rank 2"});
+    Tensor half(FLARE_DTYPE_BF16, {4});
+    c.params.sinks = half.view;
+    expect_rejected(c, call, kInvalid, {"sinks.dtype is BF16", "fp32"});
+    Tensor ok(FLARE_DTYPE_F32, {4});
+    c.params.sinks = ok.view;
+    c.params.sinks.device = kCuda0;
+    expect_rejected(c, call, kInvalid, {"sinks is on cuda:0"});
+    c.params.sinks.device = kCpu;
+    EXPECT_EQ(call(&c.params), FLARE_OK) << flare_last_error();
+  });
+  for_bwd_entries([](BwdCase& c, auto call) {
+    Tensor sinks(FLARE_DTYPE_F32, {4}), dsinks(FLARE_DTYPE_F32, {4}), wrong(FLARE_DTYPE_F32, {2});
+    c.params.dsinks = dsinks.view;
+    expect_rejected(c, call, kInvalid, {"dsinks is given but sinks is absent"});
+    c.params.sinks = sinks.view;
+    c.params.dsinks = wrong.view;
+    expect_rejected(c, call, kInvalid, {"dsinks has shape (2)", "(nheads)"});
+    c.params.dsinks = dsinks.view;
+    c.params.dsinks.strides[0] = 0;
+    c.params.dsinks.shape[0] = 4;
+    expect_rejected(c, call, kInvalid, {"dsinks"});
+  });
+  KvCase k;
+  Tensor wrong(FLARE_DTYPE_F64, {4});
+  k.params.sinks = wrong.view;
+  expect_rejected(k, call_kvcache, kInvalid, {"sinks.dtype is F64", "fp32"});
+}
+
+TEST(BadInput, SinksOnCudaAreUnsupported) {
+  // Checked before any CUDA work is looked at: the same answer with or without a CUDA backend.
+  for_fwd_entries([](FwdCase& c, auto call) {
+    Tensor sinks(FLARE_DTYPE_F32, {4});
+    c.params.sinks = sinks.view;
+    move_all({&c.params.q, &c.params.k, &c.params.v, &c.params.out, &c.params.softmax_lse, &c.params.cu_seqlens_q,
+              &c.params.cu_seqlens_k, &c.params.sinks}, kCuda0);
+    expect_rejected(c, call, FLARE_UNSUPPORTED, {"sinks", "CPU only"});
+    size_t bytes = 0;
+    expect_status(flare_fwd_workspace_size(&c.params, c.varlen, &bytes), FLARE_UNSUPPORTED, "sinks");
+  });
+}
+
 TEST(BadInput, ArchPathValue) {
   for_fwd_entries([](FwdCase& c, auto call) {
     c.params.arch_path = 86;

@@ -159,6 +159,52 @@ TEST(CppApi, ErrorsThrowWithStatusAndMessage) {
   EXPECT_NO_THROW(flare::check(FLARE_OK));
 }
 
+TEST(CppApi, SinksReachEveryPass) {
+  // AttnOptions::sinks gives the same bits as the C ABI's sinks field; dsinks comes back from the backward,
+  // and a forward handed dsinks throws.
+  const auto view = [](const Tensor& t) { return TensorView::from_c(t.view); };
+  Tensor sinks(FLARE_DTYPE_F32, {4}, 77);
+  BwdCase c(false);
+  flare_fwd_params f;
+  flare_fwd_params_init(&f);
+  f.q = c.params.q;
+  f.k = c.params.k;
+  f.v = c.params.v;
+  f.out = c.params.out;
+  f.softmax_lse = c.params.softmax_lse;
+  f.sinks = sinks.view;
+  ASSERT_EQ(flare_fwd(&f), FLARE_OK) << flare_last_error();
+  Tensor dsinks_c(FLARE_DTYPE_F32, {4}), dsinks(FLARE_DTYPE_F32, {4});
+  c.params.sinks = sinks.view;
+  c.params.dsinks = dsinks_c.view;
+  ASSERT_EQ(c.run(), FLARE_OK) << flare_last_error();
+
+  Dims d;
+  Tensor out(FLARE_DTYPE_F32, {d.batch, d.seqlen_q, d.nheads, d.headdim_v});
+  Tensor lse(FLARE_DTYPE_F32, {d.batch, d.nheads, d.seqlen_q});
+  flare::AttnOptions attn;
+  attn.sinks = view(sinks);
+  flare::forward(view(c.q), view(c.k), view(c.v), view(out), view(lse), attn);
+  EXPECT_TRUE(same_bytes(out, c.out));
+  EXPECT_TRUE(same_bytes(lse, c.lse));
+  Tensor dq(FLARE_DTYPE_F32, {d.batch, d.seqlen_q, d.nheads, d.headdim});
+  Tensor dk(FLARE_DTYPE_F32, {d.batch, d.seqlen_k, d.nheads_k, d.headdim});
+  Tensor dv(FLARE_DTYPE_F32, {d.batch, d.seqlen_k, d.nheads_k, d.headdim_v});
+  attn.dsinks = view(dsinks);
+  flare::backward(view(c.q), view(c.k), view(c.v), view(c.out), view(c.dout), view(c.lse), view(dq), view(dk),
+                  view(dv), attn);
+  EXPECT_TRUE(same_bytes(dq, c.dq));
+  EXPECT_TRUE(same_bytes(dsinks, dsinks_c));
+  EXPECT_NE(dsinks.f32()[0], 0.0f);
+  try {
+    flare::forward(view(c.q), view(c.k), view(c.v), view(out), view(lse), attn);
+    FAIL() << "expected flare::Error";
+  } catch (const flare::Error& e) {
+    EXPECT_EQ(e.status(), FLARE_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(e.what()).find("dsinks"), std::string::npos) << e.what();
+  }
+}
+
 TEST(CppApi, ArchPathReachesTheParams) {
   FwdCase c;
   const auto view = [](const Tensor& t) { return TensorView::from_c(t.view); };

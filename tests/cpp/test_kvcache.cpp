@@ -28,6 +28,7 @@ struct KvCase {
   bool with_lse = true;
   bool strided = false;  // q, k_new, v_new, out and the cache with permuted, padded strides
   int32_t num_splits = 0;  // split-KV parts of the decode path (0: its heuristic)
+  bool sinks = false;      // learnable sinks, one random logit per query head
 
   std::string describe() const {
     std::string s = std::string(dtype_name(dtype)) + " batch=" + std::to_string(batch) + " seqlen_q=" +
@@ -47,6 +48,7 @@ struct KvCase {
     if (alibi != AlibiMode::kNone) s += alibi == AlibiMode::kPerHead ? " alibi(h)" : " alibi(b,h)";
     if (strided) s += " strided";
     if (num_splits) s += " num_splits=" + std::to_string(num_splits);
+    if (sinks) s += " sinks";
     return s;
   }
 };
@@ -127,6 +129,14 @@ void check_kvcache(const KvCase& c, Rng& rng, double fp32_tol = 1e-5) {
     for (int64_t b = 0; b < c.batch; ++b)
       for (int64_t h = 0; h < c.nheads; ++h) slopes.push_back(stored[(per_batch ? b * c.nheads : 0) + h]);
   }
+  HostTensor sinks_t;
+  std::vector<double> sinks;
+  if (c.sinks) {
+    sinks_t = HostTensor::contiguous(FLARE_DTYPE_F32, {c.nheads});
+    std::vector<double> raw(c.nheads);
+    for (double& s : raw) s = rng.uniform(-1.0, 4.0);
+    sinks = sinks_t.assign(raw);
+  }
   HostTensor out = make_tensor(c.strided, c.dtype, {c.batch, c.seqlen_q, c.nheads, c.headdim_v}, rng);
   HostTensor lse;
   if (c.with_lse) lse = make_tensor(c.strided, FLARE_DTYPE_F32, {c.batch, c.nheads, c.seqlen_q}, rng);
@@ -161,6 +171,7 @@ void check_kvcache(const KvCase& c, Rng& rng, double fp32_tol = 1e-5) {
   p.attn.window_left = c.window_left;
   p.attn.window_right = c.window_right;
   p.attn.alibi_slopes = alibi.view();
+  p.sinks = sinks_t.view();
   FLARE_ASSERT_OK(flare_fwd_kvcache(&p));
   expect_fully_overwritten(out, "out");
   if (lse.present()) expect_fully_overwritten(lse, "softmax_lse");
@@ -202,6 +213,7 @@ void check_kvcache(const KvCase& c, Rng& rng, double fp32_tol = 1e-5) {
     o.window_left = c.window_left;
     o.window_right = c.window_right;
     if (!slopes.empty()) o.alibi_slopes.assign(slopes.begin() + b * c.nheads, slopes.begin() + (b + 1) * c.nheads);
+    o.sinks = sinks;
 
     reference::KvCacheSequence naive_seq = seq;
     const auto r = reference::kvcache(dims, o, rotary, seq);
@@ -441,6 +453,36 @@ TEST(KvCache, DecodeSplitCounts) {
   }
 }
 
+// Learnable sinks on both paths (decode: split parts merged before the sink joins; the forward's tiles for
+// long query chunks), with rows that see no key (window 0 and leftpad) getting out = 0 and lse = sink.
+TEST(KvCache, Sinks) {
+  Rng rng;
+  for (flare_dtype dtype : kDtypes) {
+    for (int32_t splits : {1, 3}) {
+      for (int64_t seqlen_q : {1, 4, 40}) {
+        KvCase c;
+        c.dtype = dtype;
+        c.batch = 3;
+        c.nheads = 6;
+        c.nheads_k = 2;
+        c.capacity = 157;
+        c.seqlen_q = seqlen_q;
+        c.seqlen_new = 1;
+        c.causal = seqlen_q > 1;
+        c.leftpad = true;
+        c.num_splits = splits;
+        c.sinks = true;
+        check_kvcache(c, rng);
+        c.block_size = 5;
+        c.capacity = 160;
+        c.window_left = 0;
+        c.softcap = 10.0f;
+        check_kvcache(c, rng);
+      }
+    }
+  }
+}
+
 TEST(KvCache, RandomCombinations) {
   Rng rng;
   const int64_t headdims[] = {32, 64, 80, 128};
@@ -468,6 +510,7 @@ TEST(KvCache, RandomCombinations) {
     }
     c.strided = rng.coin();
     c.with_lse = rng.coin();
+    c.sinks = rng.coin();
     check_kvcache(c, rng);
   }
 }

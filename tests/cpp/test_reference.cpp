@@ -110,25 +110,29 @@ TEST(Reference, GradientsMatchCentralFiniteDifferences) {
   Rng rng;
   std::vector<GradCase> cases;
   cases.push_back({"plain", {2, 2, 4, 4}, 3, 5, {}});
-  cases.push_back({"causal sq>sk", {2, 1, 3, 5}, 5, 3, {.causal = true, .alibi_slopes = {}}});
-  cases.push_back({"window", {1, 1, 4, 3}, 6, 6, {.window_left = 2, .window_right = 1, .alibi_slopes = {}}});
-  cases.push_back({"softcap", {2, 2, 4, 4}, 4, 4, {.softmax_scale = 1.5, .softcap = 2.0, .alibi_slopes = {}}});
-  cases.push_back({"alibi", {2, 2, 3, 3}, 3, 6, {.alibi_slopes = {0.25, 0.7}}});
+  cases.push_back({"causal sq>sk", {2, 1, 3, 5}, 5, 3, {.causal = true, .alibi_slopes = {}, .sinks = {}}});
+  cases.push_back({"window", {1, 1, 4, 3}, 6, 6, {.window_left = 2, .window_right = 1, .alibi_slopes = {}, .sinks = {}}});
+  cases.push_back({"softcap", {2, 2, 4, 4}, 4, 4, {.softmax_scale = 1.5, .softcap = 2.0, .alibi_slopes = {}, .sinks = {}}});
+  cases.push_back({"alibi", {2, 2, 3, 3}, 3, 6, {.alibi_slopes = {0.25, 0.7}, .sinks = {}}});
   cases.push_back({"gqa all", {4, 2, 3, 2}, 4, 7,
-                   {.softcap = 1.5, .causal = true, .window_left = 3, .alibi_slopes = {0.1, 0.2, 0.3, 0.4}}});
+                   {.softcap = 1.5, .causal = true, .window_left = 3, .alibi_slopes = {0.1, 0.2, 0.3, 0.4}, .sinks = {}}});
+  cases.push_back({"sinks", {2, 2, 4, 3}, 3, 5, {.alibi_slopes = {}, .sinks = {0.5, 2.0}}});
+  cases.push_back({"sinks gqa causal sq>sk", {4, 2, 3, 3}, 6, 4,
+                   {.softcap = 2.5, .causal = true, .alibi_slopes = {}, .sinks = {-1.0, 0.0, 1.5, 3.0}}});
   for (const GradCase& gc : cases) {
     SCOPED_TRACE(gc.name);
     Sequence s = random_sequence(gc.dims, gc.seqlen_q, gc.seqlen_k, rng);
     const auto dout = random_vector(gc.seqlen_q * gc.dims.nheads * gc.dims.headdim_v, rng);
-    const auto g = reference::backward(gc.dims, gc.opts, s, dout);
+    Options opts = gc.opts;
+    const auto g = reference::backward(gc.dims, opts, s, dout);
     const double h = 1e-5;
     auto check = [&](std::vector<double>& x, const std::vector<double>& grad, const char* what) {
       for (size_t i = 0; i < x.size(); ++i) {
         const double saved = x[i];
         x[i] = saved + h;
-        const double up = loss(gc.dims, gc.opts, s, dout);
+        const double up = loss(gc.dims, opts, s, dout);
         x[i] = saved - h;
-        const double down = loss(gc.dims, gc.opts, s, dout);
+        const double down = loss(gc.dims, opts, s, dout);
         x[i] = saved;
         const double numeric = (up - down) / (2 * h);
         // Central differences err by O(h^2) (~1e-10 here) plus cancellation (~1e-16 / h).
@@ -138,6 +142,8 @@ TEST(Reference, GradientsMatchCentralFiniteDifferences) {
     check(s.q, g.dq, "dq");
     check(s.k, g.dk, "dk");
     check(s.v, g.dv, "dv");
+    ASSERT_EQ(g.dsinks.size(), opts.sinks.size());
+    check(opts.sinks, g.dsinks, "dsinks");
   }
 }
 
@@ -146,7 +152,7 @@ TEST(Reference, EqualScoresAverageTheVisibleValues) {
   const Dims d{2, 1, 5, 3};
   Sequence s = random_sequence(d, 7, 9, rng);
   for (double& x : s.q) x = 0.0;  // every score 0: softmax is uniform over the visible keys
-  const Options o{.window_left = 2, .window_right = 1, .alibi_slopes = {}};
+  const Options o{.window_left = 2, .window_right = 1, .alibi_slopes = {}, .sinks = {}};
   const auto r = reference::forward(d, o, s);
   for (int64_t h = 0; h < d.nheads; ++h) {
     for (int64_t i = 0; i < s.seqlen_q; ++i) {
@@ -172,7 +178,7 @@ TEST(Reference, MaskFollowsTheBottomRightRule) {
       for (int64_t left = -1; left <= 3; ++left)
         for (int64_t right = -1; right <= 3; ++right)
           for (int causal = 0; causal <= 1; ++causal) {
-            const Options o{.causal = causal == 1, .window_left = left, .window_right = right, .alibi_slopes = {}};
+            const Options o{.causal = causal == 1, .window_left = left, .window_right = right, .alibi_slopes = {}, .sinks = {}};
             for (int64_t i = 0; i < sq; ++i)
               for (int64_t j = 0; j < sk; ++j) {
                 const int64_t offset = j - (i + sk - sq);  // key position relative to the aligned diagonal
@@ -188,7 +194,7 @@ TEST(Reference, RowsWithoutKeysGiveZeroAndMinusInfinity) {
   Rng rng;
   const Dims d{1, 1, 4, 4};
   const Sequence s = random_sequence(d, 6, 2, rng);  // causal, 6 queries, 2 keys: rows 0..3 see nothing
-  const auto r = reference::forward(d, Options{.causal = true, .alibi_slopes = {}}, s);
+  const auto r = reference::forward(d, Options{.causal = true, .alibi_slopes = {}, .sinks = {}}, s);
   for (int64_t i = 0; i < s.seqlen_q; ++i) {
     const bool empty = i < s.seqlen_q - s.seqlen_k;
     EXPECT_EQ(std::isinf(r.lse[i]) && r.lse[i] < 0, empty) << i;
@@ -214,7 +220,7 @@ TEST(Reference, GroupedQueryAttentionEqualsRepeatedKeyValueHeads) {
       for (int64_t c = 0; c < gqa.headdim; ++c) rep.k.push_back(s.k[(j * 2 + hk) * gqa.headdim + c]);
       for (int64_t c = 0; c < gqa.headdim_v; ++c) rep.v.push_back(s.v[(j * 2 + hk) * gqa.headdim_v + c]);
     }
-  const Options o{.softcap = 3.0, .causal = true, .alibi_slopes = {}};
+  const Options o{.softcap = 3.0, .causal = true, .alibi_slopes = {}, .sinks = {}};
   const auto a = reference::forward(gqa, o, s), b = reference::forward(mha, o, rep);
   for (size_t i = 0; i < a.out.size(); ++i) EXPECT_DOUBLE_EQ(a.out[i], b.out[i]);
   for (size_t i = 0; i < a.lse.size(); ++i) EXPECT_DOUBLE_EQ(a.lse[i], b.lse[i]);
@@ -269,7 +275,7 @@ TEST(Reference, KvCacheAppendsThenAttendsLikePlainAttention) {
   kv.k_new = random_vector(kv.seqlen_new * d.nheads_k * d.headdim, rng);
   kv.v_new = random_vector(kv.seqlen_new * d.nheads_k * d.headdim_v, rng);
   const auto k_before = kv.k_cache;
-  const Options o{.causal = true, .alibi_slopes = {}};
+  const Options o{.causal = true, .alibi_slopes = {}, .sinks = {}};
   const auto r = reference::kvcache(d, o, reference::Rotary{}, kv);
 
   const int64_t krow = d.nheads_k * d.headdim, vrow = d.nheads_k * d.headdim_v;

@@ -14,8 +14,9 @@ three routes, as FA2's does:
     varlen over the packed sequences;
   - otherwise the dense flash_attn_func.
 GQA/MQA key/value heads go in as they are (no repeat_kv); with a cache, seqlen_q < seqlen_k and causal is
-aligned bottom-right. sliding_window w becomes window_size (w - 1, w - 1), softcap is passed on.
-Not supported: s_aux (attention sinks) and attention dropout > 0 (NotImplementedError).
+aligned bottom-right. sliding_window w becomes window_size (w - 1, w - 1), softcap is passed on, and so are
+s_aux (GPT-OSS's learnable attention sinks, differentiable).
+Not supported: attention dropout > 0 (NotImplementedError).
 
 Under torch.compile nothing is read on the host: a padding mask is passed as each row's run of valid keys
 (cu_seqlens_k + seqused_k), so the static-cache compiled generate() runs with fullgraph=True; the mask
@@ -76,15 +77,13 @@ def flare_attention_forward(module, query, key, value, attention_mask, dropout=0
     """transformers' attention-function signature: query (batch, nheads, seqlen_q, headdim), key/value
     (batch, nheads_k, seqlen_k, headdim), attention_mask the 2D padding mask (batch, seqlen_k) or None.
     Returns (attn_output (batch, seqlen_q, nheads, headdim_v), None)."""
-    if s_aux is not None:
-        raise NotImplementedError("flare: s_aux (attention sinks) is not supported")
     if dropout and dropout > 0.0:
         raise NotImplementedError(f"flare: attention dropout={dropout} is not supported")
     if kwargs.get("output_attentions", False):
         raise NotImplementedError("flare: output_attentions=True is not supported (use eager)")
     causal = module.is_causal if is_causal is None else is_causal
     window = (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)
-    options = dict(softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap or 0.0)
+    options = dict(softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap or 0.0, s_aux=s_aux)
 
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (batch, seqlen, heads, dim)
     batch, seqlen_q = q.shape[0], q.shape[1]
@@ -134,8 +133,6 @@ def flare_paged_attention_forward(module, query, key, value, attention_mask=None
     if block_table is not None:
         raise NotImplementedError("flare: paged|flare reads the cache through read_index; a block_table "
                                   "(transformers' fused decode path) is not supported")
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("flare: s_aux (attention sinks) is not supported")
     sliding_window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
     window = (-1, -1) if not sliding_window else (sliding_window - 1, 0)
     if isinstance(cu_seq_lens_k, dict):  # models mixing full and sliding layers keep one set per layer type
@@ -146,7 +143,8 @@ def flare_paged_attention_forward(module, query, key, value, attention_mask=None
     out = flash_attn_varlen_func(query.transpose(1, 2).squeeze(0), k, v, cu_seq_lens_q.to(torch.int32),
                                  cu_seq_lens_k.to(torch.int32), max_seqlen_q, max_seqlen_k,
                                  softmax_scale=kwargs.get("scaling", getattr(module, "scaling", None)),
-                                 causal=True, window_size=window, softcap=kwargs.get("softcap") or 0.0)
+                                 causal=True, window_size=window, softcap=kwargs.get("softcap") or 0.0,
+                                 s_aux=kwargs.get("s_aux"))
     return out, None
 
 
