@@ -110,6 +110,18 @@ FLARE_API flare_tensor flare_tensor_contiguous(void* data, flare_dtype dtype, fl
 /* Options shared by every pass                                                                       */
 /* ------------------------------------------------------------------------------------------------ */
 
+/* Dropout (training, flare_fwd_params and flare_bwd_params): with dropout_p > 0 each probability
+ * P_ij = exp(s_ij - lse_i) of the forward is kept with probability 1 - dropout_p and then scaled by
+ * 1 / (1 - dropout_p), or dropped (set to 0), before out = sum_j P_ij v_j; softmax_lse is the undropped one.
+ * The mask is a pure function of (dropout_seed, dropout_offset) and the element's coordinates — sequence b
+ * (the batch index, or the varlen sequence), query head h, query i and key j counted within the sequence —
+ * the same on every backend, tiling and thread count: element (b, h, i, j) is kept when word j % 4 of
+ *   Philox4x32-10(counter = {j / 4, i, b * nheads + h, (uint32) dropout_offset},
+ *                 key = {(uint32) dropout_seed, (uint32)(dropout_seed >> 32) ^ (uint32)(dropout_offset >> 32)})
+ * is >= round(dropout_p * 2^32) (counter words and products modulo 2^32). The backward must be given the
+ * forward's dropout_p, dropout_seed and dropout_offset: it draws the same mask again. flare_dropout_mask
+ * writes the mask of one sequence. CUDA devices: FLARE_UNSUPPORTED in this release. */
+
 /* Sinks (learnable attention sinks, GPT-OSS's s_aux): an optional fp32 tensor of shape (nheads) on the
  * device of q, one logit per query head, in the units of the final scores. It joins every row's softmax
  * denominator without a value: with s the row's scores, out = sum_j exp(s_j) v_j / (sum_j exp(s_j) +
@@ -195,6 +207,11 @@ typedef struct flare_fwd_params {
   /* Appended after 0.1.0, read only when struct_size covers it (absent otherwise): learnable attention
    * sinks, see "Sinks" above flare_attn_options. CUDA devices: FLARE_UNSUPPORTED in this release. */
   flare_tensor sinks;
+  /* Appended after 0.1.0, read only when struct_size covers them (0 otherwise): dropout, see "Dropout" above
+   * flare_attn_options. dropout_p in [0, 1); 0 is off. */
+  float dropout_p;
+  uint64_t dropout_seed;
+  uint64_t dropout_offset;
 } flare_fwd_params;
 
 FLARE_API void flare_fwd_params_init(flare_fwd_params* params);
@@ -230,6 +247,10 @@ typedef struct flare_bwd_params {
    * the batch. CUDA devices: FLARE_UNSUPPORTED in this release. */
   flare_tensor sinks;
   flare_tensor dsinks;
+  /* Appended after 0.1.0, read only when struct_size covers them (0 otherwise): the forward's dropout. */
+  float dropout_p;
+  uint64_t dropout_seed;
+  uint64_t dropout_offset;
 } flare_bwd_params;
 
 FLARE_API void flare_bwd_params_init(flare_bwd_params* params);
@@ -308,6 +329,19 @@ typedef struct flare_merge_params {
 
 FLARE_API void flare_merge_params_init(flare_merge_params* params);
 FLARE_API flare_status flare_merge_states(const flare_merge_params* params);
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Dropout masks                                                                                      */
+/* ------------------------------------------------------------------------------------------------ */
+
+/* The keep mask a forward with these dropout parameters applies to sequence `sequence` (its batch index, or
+ * its varlen index) of a call with `nheads` query heads: mask, (nheads, seqlen_q, seqlen_k) uint8 contiguous
+ * host memory, gets 1 where (h, i, j) is kept and 0 where it is dropped (see "Dropout" above). For tests and
+ * for FlashAttention's S_dmask; the passes never materialise it. dropout_p in [0, 1); sequence, nheads,
+ * seqlen_q, seqlen_k >= 0 (nheads >= 1); mask non-null unless the mask is empty. */
+FLARE_API flare_status flare_dropout_mask(float dropout_p, uint64_t dropout_seed, uint64_t dropout_offset,
+                                          int64_t sequence, int64_t nheads, int64_t seqlen_q, int64_t seqlen_k,
+                                          uint8_t* mask);
 
 /* ------------------------------------------------------------------------------------------------ */
 /* Introspection                                                                                      */

@@ -315,6 +315,11 @@ struct AttnOptions {
   // Backward only: fp32 (nheads), written with the sinks' gradient when present (needs sinks). A forward or
   // KV-cache call with dsinks throws FLARE_INVALID_ARGUMENT.
   TensorView dsinks;
+  // Dropout (flare.h "Dropout"): dropout_p in [0, 1), 0 off; the backward must get the forward's three values.
+  // A KV-cache call with dropout_p != 0 throws FLARE_INVALID_ARGUMENT.
+  float dropout_p = 0.0f;
+  uint64_t dropout_seed = 0;
+  uint64_t dropout_offset = 0;
 
   flare_attn_options c() const {
     flare_attn_options o{};
@@ -392,6 +397,14 @@ inline void require_no_dsinks(const AttnOptions& attn) {
     throw Error(FLARE_INVALID_ARGUMENT, "AttnOptions::dsinks is the backward's output: leave it absent in forward calls");
 }
 
+// Copies dropout's three values into flare_fwd_params or flare_bwd_params.
+template <class Params>
+void set_dropout(Params& p, const AttnOptions& attn) {
+  p.dropout_p = attn.dropout_p;
+  p.dropout_seed = attn.dropout_seed;
+  p.dropout_offset = attn.dropout_offset;
+}
+
 // Copies the varlen description into flare_fwd_params or flare_bwd_params (nothing when varlen is null).
 template <class Params>
 void set_varlen(Params& p, const Varlen* varlen) {
@@ -425,6 +438,7 @@ inline flare_fwd_params forward_params(const TensorView& q, const TensorView& k,
   p.arch_path = static_cast<int32_t>(exec.arch_path);
   require_no_dsinks(attn);
   p.sinks = attn.sinks.c();
+  set_dropout(p, attn);
   return p;
 }
 
@@ -451,6 +465,7 @@ inline flare_bwd_params backward_params(const TensorView& q, const TensorView& k
   p.arch_path = static_cast<int32_t>(exec.arch_path);
   p.sinks = attn.sinks.c();
   p.dsinks = attn.dsinks.c();
+  set_dropout(p, attn);
   return p;
 }
 
@@ -478,6 +493,8 @@ inline flare_kvcache_params kvcache_params(const TensorView& q, const TensorView
   p.attn = attn.c();
   p.exec = exec.c();
   require_no_dsinks(attn);
+  if (attn.dropout_p != 0.0f)
+    throw Error(FLARE_INVALID_ARGUMENT, "AttnOptions::dropout_p is for training passes: KV-cache attention has no dropout");
   p.sinks = attn.sinks.c();
   return p;
 }

@@ -17,7 +17,7 @@ import functools
 import os
 import struct
 import threading
-from ctypes import c_char_p, c_float, c_int32, c_int64, c_size_t, c_void_p
+from ctypes import c_char_p, c_float, c_int32, c_int64, c_size_t, c_uint8, c_uint64, c_void_p
 from pathlib import Path
 
 FLARE_MAX_RANK = 4
@@ -113,6 +113,9 @@ class flare_fwd_params(ctypes.Structure):
         ("arch_path", c_int32),
         ("block_table", flare_tensor),
         ("sinks", flare_tensor),
+        ("dropout_p", c_float),
+        ("dropout_seed", c_uint64),
+        ("dropout_offset", c_uint64),
     ]
 
 
@@ -139,6 +142,9 @@ class flare_bwd_params(ctypes.Structure):
         ("arch_path", c_int32),
         ("sinks", flare_tensor),
         ("dsinks", flare_tensor),
+        ("dropout_p", c_float),
+        ("dropout_seed", c_uint64),
+        ("dropout_offset", c_uint64),
     ]
 
 
@@ -319,6 +325,9 @@ class Flare:
         lib.flare_status_string.argtypes = [c_int32]
         lib.flare_has_cuda.restype = c_int32
         lib.flare_has_cuda.argtypes = []
+        lib.flare_dropout_mask.restype = c_int32
+        lib.flare_dropout_mask.argtypes = [c_float, c_uint64, c_uint64, c_int64, c_int64, c_int64, c_int64,
+                                           ctypes.POINTER(c_uint8)]
         entries = {
             flare_fwd_params: ("flare_fwd", "flare_fwd_varlen"),
             flare_bwd_params: ("flare_bwd", "flare_bwd_varlen"),
@@ -412,6 +421,11 @@ class Flare:
 
     def fwd_kvcache(self, params):
         self._check("flare_fwd_kvcache", self._lib.flare_fwd_kvcache(ctypes.byref(params)))
+
+    def dropout_mask(self, dropout_p, seed, offset, sequence, nheads, seqlen_q, seqlen_k, out_ptr):
+        """flare_dropout_mask into the uint8 buffer at out_ptr ((nheads, seqlen_q, seqlen_k) bytes)."""
+        self._check("flare_dropout_mask", self._lib.flare_dropout_mask(
+            dropout_p, seed, offset, sequence, nheads, seqlen_q, seqlen_k, ctypes.cast(out_ptr, ctypes.POINTER(c_uint8))))
 
     def merge_states(self, params):
         self._check("flare_merge_states", self._lib.flare_merge_states(ctypes.byref(params)))

@@ -2,9 +2,12 @@
 
 Migrating is an import change: `from flare.flash_attn_interface import flash_attn_func` (or `from flare
 import ...`) instead of `from flash_attn import ...`. What flare does not do raises NotImplementedError that
-names the argument: dropout_p > 0, and so attention probabilities (flash-attn returns none without dropout
-either: with dropout_p == 0, return_attn_probs=True gives (out, softmax_lse, an empty tensor), and so does
-flare — the way callers get softmax_lse). Extras beyond flash-attn 2.x on flash_attn_varlen_func: seqused_k, out=, return_softmax_lse.
+names the argument. dropout_p > 0 (CPU tensors in this release) draws its seed and offset from torch's default
+CPU generator, so torch.manual_seed reproduces a run; the backward redraws the forward's mask. With dropout,
+return_attn_probs=True gives flash-attn 2's S_dmask, (batch, nheads, seqlen_q, seqlen_k), the softmax
+probabilities with the dropped ones negated, from the dense functions (seqlen_k within the head-dim limit: it
+is computed by a forward against identity values, for tests); without dropout it is an empty tensor, as in
+flash-attn (the way callers get softmax_lse). Extras beyond flash-attn 2.x on flash_attn_varlen_func: seqused_k, out=, return_softmax_lse.
 Extra on every function, keyword-only: s_aux=None, learnable attention sinks (GPT-OSS; the name vLLM's
 flash-attention takes them by): a (nheads) tensor of logits whose exp joins each head's softmax denominator
 (flare.ops module docstring), differentiable; softmax_lse then counts them.
@@ -33,10 +36,17 @@ __all__ = [
 ]
 
 
-def _check_unsupported(dropout_p: float):
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"flare: dropout_p={dropout_p}: attention dropout is not supported "
-                                  "(use dropout_p=0.0)")
+def _dropout(dropout_p):
+    """(dropout_p, seed, offset): a fresh seed and offset from torch's default CPU generator when dropout_p is not
+    0 (the library checks its range)."""
+    try:
+        p = float(dropout_p)
+    except (TypeError, ValueError):
+        _checks.reject(f"dropout_p={dropout_p!r}: it must be a number in [0, 1)")
+    if p == 0.0:
+        return 0.0, 0, 0
+    seed, offset = torch.randint(-2**63, 2**63 - 1, (2,), dtype=torch.int64).tolist()
+    return p, seed, offset
 
 
 def _scale(softmax_scale: Optional[float]) -> float:
@@ -64,17 +74,36 @@ def _window(window_size) -> Tuple[int, int]:
     return _checks.integer(left, "window_size[0]"), _checks.integer(right, "window_size[1]")
 
 
-def _result(out: Tensor, lse: Tensor, return_attn_probs: bool):
+def _result(out: Tensor, lse: Tensor, return_attn_probs: bool, s_dmask=None):
     # flash-attn 2.x returns (out, softmax_lse, S_dmask); without dropout its S_dmask is an empty tensor.
-    return (out, lse, out.new_empty(0)) if return_attn_probs else out
+    if not return_attn_probs:
+        return out
+    return out, lse, (out.new_empty(0) if s_dmask is None else s_dmask)
+
+
+def _s_dmask(q, k, args, dropout):
+    """flash-attn 2's S_dmask of a dense call: the probabilities P (batch, nheads, seqlen_q, seqlen_k) from a
+    forward without dropout against identity values (out[i][j] = P_ij), negated where dropout drops them."""
+    b, sq, h = q.shape[:3]
+    sk, hk = k.shape[1], k.shape[2]
+    eye = torch.eye(sk, dtype=q.dtype).view(1, sk, 1, sk).expand(b, sk, hk, sk).contiguous()
+    with torch.no_grad():
+        probs, _ = ops.fwd_eager(q.detach(), k.detach(), eye, *args)
+    probs = probs.permute(0, 2, 1, 3)
+    keep = torch.stack([ops.dropout_mask(dropout[0], dropout[1], dropout[2], i, h, sq, sk) for i in range(b)])
+    return torch.where(keep.to(probs.device), probs, -probs)
 
 
 def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-           arch_path, s_aux):
-    _check_unsupported(dropout_p)
+           arch_path, s_aux, return_attn_probs=False):
+    """(out, lse, S_dmask or None) of a dense call."""
+    dropout = _dropout(dropout_p)
     left, right = _window(window_size)
-    return ops.fwd(q, k, v, None, None, None, 0, 0, alibi_slopes, _scale(softmax_scale), bool(causal),
-                   left, right, float(softcap), bool(deterministic), str(arch_path), None, _sinks(s_aux))
+    args = (None, None, None, 0, 0, alibi_slopes, _scale(softmax_scale), bool(causal), left, right, float(softcap),
+            bool(deterministic), str(arch_path), None, _sinks(s_aux))
+    out, lse = ops.fwd(q, k, v, *args, *dropout)
+    s_dmask = _s_dmask(q, k, args, dropout) if return_attn_probs and dropout[0] > 0 else None
+    return out, lse, s_dmask
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -83,27 +112,28 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k, headdim) -> out like q
     (with return_attn_probs: (out, softmax_lse (batch, nheads, seqlen_q), empty S_dmask)).
     arch_path: the CUDA kernels of the forward, "auto", "sm80" or "sm90"; s_aux: sinks (module docstring)."""
-    out, lse = _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      deterministic, arch_path, s_aux)
-    return _result(out, lse, return_attn_probs)
+    out, lse, s_dmask = _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                               deterministic, arch_path, s_aux, return_attn_probs)
+    return _result(out, lse, return_attn_probs, s_dmask)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
                               arch_path="auto", s_aux=None):
     """qkv (batch, seqlen, 3, nheads, headdim) -> out (batch, seqlen, nheads, headdim)."""
-    out, lse = _dense(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
-                      softcap, alibi_slopes, deterministic, arch_path, s_aux)
-    return _result(out, lse, return_attn_probs)
+    out, lse, s_dmask = _dense(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal,
+                               window_size, softcap, alibi_slopes, deterministic, arch_path, s_aux,
+                               return_attn_probs)
+    return _result(out, lse, return_attn_probs, s_dmask)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
                              arch_path="auto", s_aux=None):
     """q (batch, seqlen_q, nheads, headdim), kv (batch, seqlen_k, 2, nheads_k, headdim)."""
-    out, lse = _dense(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic, arch_path, s_aux)
-    return _result(out, lse, return_attn_probs)
+    out, lse, s_dmask = _dense(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size,
+                               softcap, alibi_slopes, deterministic, arch_path, s_aux, return_attn_probs)
+    return _result(out, lse, return_attn_probs, s_dmask)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0, dropout_p=0.0,
@@ -119,7 +149,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     out=: written with the result (and returned). return_softmax_lse: return (out, softmax_lse (nheads,
     total_q)) instead of out. arch_path: as in flash_attn_func (varlen calls run the sm80 kernels today, so
     "sm90" refuses them)."""
-    _check_unsupported(dropout_p)
+    dropout = _dropout(dropout_p)
+    if return_attn_probs and dropout[0] > 0 and not return_softmax_lse:
+        raise NotImplementedError("flare: return_attn_probs=True with dropout_p > 0 (S_dmask) is given by the dense "
+                                  "functions only, not by flash_attn_varlen_func")
     left, right = _window(window_size)
     max_seqlen_q = _checks.integer(max_seqlen_q or 0, "max_seqlen_q")
     max_seqlen_k = _checks.integer(max_seqlen_k or 0, "max_seqlen_k")
@@ -131,7 +164,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
         _checks.output(out, "out", (*q.shape[:-1], v.shape[-1]), q)
     result, lse = ops.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                           alibi_slopes, scale, bool(causal), left, right, float(softcap),
-                          bool(deterministic), str(arch_path), block_table, _sinks(s_aux))
+                          bool(deterministic), str(arch_path), block_table, _sinks(s_aux), *dropout)
     if out is not None:
         out.copy_(result)
         result = out

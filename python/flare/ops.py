@@ -22,6 +22,11 @@ denominator of head h without a value, and softmax_lse counts it. Differentiable
 gradient, -sum over each head's rows of exp(sinks[h] - lse) * rowsum(dout * out), is formed here from the
 forward's out and lse (torch ops, so on any device), in the sinks' dtype.
 
+dropout_p, dropout_seed, dropout_offset (flare::fwd and flare::bwd): attention dropout, FlashAttention 2's
+semantics; the mask is a pure function of the seed, offset and coordinates (flare.h "Dropout"), so the backward
+draws the forward's again (autograd hands the three on). Seeds and offsets are 64-bit patterns; Python ints
+in int64's range carry them (read modulo 2^64). CPU tensors only in this release.
+
 arch_path (the forward ops): which CUDA kernels run the call, "auto" (default: the sm90 kernels on a compute
 capability 9.0 GPU for the calls they cover, else the sm80 ones), "sm80" or "sm90" (NotImplementedError, with
 the reason, for a call the sm90 kernels cannot run). The CPU ignores it; the backward always runs the sm80
@@ -69,6 +74,13 @@ def _sinks_view(p, sinks: Optional[Tensor]):
     sinks = sinks.detach().to(dtype=torch.float32).contiguous()
     p.sinks = _capi.tensor_view(sinks)
     return sinks
+
+
+def _set_dropout(p, dropout_p: float, dropout_seed: int, dropout_offset: int):
+    """The params' dropout fields; seed and offset as the 64-bit patterns of Python ints."""
+    p.dropout_p = dropout_p
+    p.dropout_seed = dropout_seed & 0xFFFFFFFFFFFFFFFF
+    p.dropout_offset = dropout_offset & 0xFFFFFFFFFFFFFFFF
 
 
 def _exec_options(ref: Tensor):
@@ -220,7 +232,8 @@ def fwd_eager(q: Tensor, k: Tensor, v: Tensor,
               max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor],
               softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
               deterministic: bool, arch_path: str = "auto",
-              block_table: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+              block_table: Optional[Tensor] = None, sinks: Optional[Tensor] = None, dropout_p: float = 0.0,
+              dropout_seed: int = 0, dropout_offset: int = 0) -> Tuple[Tensor, Tensor]:
     """flare::fwd's computation called directly, without torch's custom-op dispatch (50 us less host time
     per call, 55 for bwd_eager, on a 2-core EPYC: bench/cpu/host_cost.py): no autograd, not traceable by
     torch.compile. For code that holds its own autograd and issues many calls (flare.distributed's ring);
@@ -243,6 +256,7 @@ def fwd_eager(q: Tensor, k: Tensor, v: Tensor,
     p.attn, keep = _attn_options(q, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
     p.arch_path = _capi.arch_path_value(arch_path)
     sinks32 = _sinks_view(p, sinks)
+    _set_dropout(p, dropout_p, dropout_seed, dropout_offset)
     entry = lib.fwd_varlen if varlen else lib.fwd
     nbytes = _validate(q, entry, lambda p: lib.fwd_workspace_size(p, varlen), p)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
@@ -259,19 +273,21 @@ def fwd(q: Tensor, k: Tensor, v: Tensor,
         max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor],
         softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
         deterministic: bool, arch_path: str = "auto", block_table: Optional[Tensor] = None,
-        sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        sinks: Optional[Tensor] = None, dropout_p: float = 0.0, dropout_seed: int = 0,
+        dropout_offset: int = 0) -> tuple[Tensor, Tensor]:
     """Forward attention; dense when cu_seqlens_q is None, else varlen (paged with block_table). Returns (out,
     softmax_lse). deterministic only matters to the backward; it is here so autograd can hand it on. arch_path:
-    the CUDA kernels ("auto", "sm80", "sm90"; see the module docstring). sinks: learnable sinks (nheads)."""
+    the CUDA kernels ("auto", "sm80", "sm90"; see the module docstring). sinks: learnable sinks (nheads).
+    dropout_p/seed/offset: attention dropout (module docstring)."""
     return fwd_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
                      softmax_scale, causal, window_left, window_right, softcap, deterministic, arch_path,
-                     block_table, sinks)
+                     block_table, sinks, dropout_p, dropout_seed, dropout_offset)
 
 
 @fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
       softmax_scale, causal, window_left, window_right, softcap, deterministic, arch_path="auto", block_table=None,
-      sinks=None):
+      sinks=None, dropout_p=0.0, dropout_seed=0, dropout_offset=0):
     _check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
                      softmax_scale, window_left, window_right, softcap, block_table=block_table, sinks=sinks)
     _capi.arch_path_value(arch_path)  # a bad name fails when traced as it would when run
@@ -288,7 +304,8 @@ def bwd_eager(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softma
               cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
               max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor],
               softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-              deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+              deterministic: bool, dropout_p: float = 0.0, dropout_seed: int = 0,
+              dropout_offset: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
     """flare::bwd's computation called directly, without torch's custom-op dispatch (see fwd_eager)."""
     _check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
                      softmax_scale, window_left, window_right, softcap,
@@ -307,6 +324,7 @@ def bwd_eager(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softma
     p.max_seqlen_q, p.max_seqlen_k = max_seqlen_q, max_seqlen_k
     p.deterministic = int(deterministic)
     p.attn, keep = _attn_options(q, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
+    _set_dropout(p, dropout_p, dropout_seed, dropout_offset)
     entry = lib.bwd_varlen if varlen else lib.bwd
     nbytes = _validate(q, entry, lambda p: lib.bwd_workspace_size(p, varlen), p)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
@@ -321,16 +339,19 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse:
         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], seqused_k: Optional[Tensor],
         max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor],
         softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-        deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients (dq, dk, dv) of flare::fwd with the same options, from out, dout and softmax_lse."""
+        deterministic: bool, dropout_p: float = 0.0, dropout_seed: int = 0,
+        dropout_offset: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) of flare::fwd with the same options (dropout's included), from out, dout and
+    softmax_lse."""
     return bwd_eager(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                      max_seqlen_k, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap,
-                     deterministic)
+                     deterministic, dropout_p, dropout_seed, dropout_offset)
 
 
 @bwd.register_fake
 def _(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-      alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, deterministic):
+      alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, deterministic, dropout_p=0.0,
+      dropout_seed=0, dropout_offset=0):
     _check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
                      softmax_scale, window_left, window_right, softcap,
                      (("dout", dout), ("out", out), ("softmax_lse", softmax_lse)))
@@ -341,7 +362,7 @@ def _(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_k, ma
 
 _FWD_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "max_seqlen_q", "max_seqlen_k", "alibi_slopes",
                 "softmax_scale", "causal", "window_left", "window_right", "softcap", "deterministic", "arch_path",
-                "block_table", "sinks")
+                "block_table", "sinks", "dropout_p", "dropout_seed", "dropout_offset")
 
 
 def sink_gradient(sinks: Tensor, out: Tensor, dout: Tensor, softmax_lse: Tensor) -> Tensor:
@@ -368,6 +389,7 @@ def _fwd_setup_context(ctx, inputs, output):
     # (the backward has the sm80 kernels alone).
     ctx.scalars = (max_seqlen_q, max_seqlen_k) + tuple(options[:6])
     ctx.paged = len(options) > 7 and options[7] is not None  # block_table: the backward has no paged layout
+    ctx.dropout = tuple(options[9:12]) if len(options) > 9 else (0.0, 0, 0)  # p, seed, offset
     ctx.mark_non_differentiable(lse)
 
 
@@ -378,12 +400,15 @@ def _fwd_backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, sinks = ctx.saved_tensors
     max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, det = ctx.scalars
     dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-                     max_seqlen_k, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, det)
+                     max_seqlen_k, alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, det,
+                     *ctx.dropout)
     # The lse carries the sinks into dq/dk/dv; their own gradient comes from out and lse.
     dsinks = None
     if sinks is not None and ctx.needs_input_grad[3 + _FWD_OPTIONS.index("sinks")]:
         dsinks = sink_gradient(sinks, out, dout, lse)
-    return (dq, dk, dv) + (None,) * (len(_FWD_OPTIONS) - 1) + (dsinks,)
+    grads = [None] * len(_FWD_OPTIONS)
+    grads[_FWD_OPTIONS.index("sinks")] = dsinks
+    return (dq, dk, dv) + tuple(grads)
 
 
 fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -442,6 +467,21 @@ def _(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_l
                    rotary_cos, rotary_sin, num_splits, alibi_slopes, softmax_scale, window_left, window_right,
                    softcap, sinks)
     return q.new_empty(_out_shape(q, v_cache)), q.new_empty(_lse_shape(q, False), dtype=torch.float32)
+
+
+# ---- dropout masks -------------------------------------------------------------------------------------
+
+
+def dropout_mask(dropout_p: float, dropout_seed: int, dropout_offset: int, sequence: int, nheads: int,
+                 seqlen_q: int, seqlen_k: int) -> Tensor:
+    """The keep mask (True = kept) that a forward with these dropout arguments applies to sequence `sequence`
+    (batch index, or varlen index) of a call with nheads query heads: bool (nheads, seqlen_q, seqlen_k), on the
+    CPU, from flare_dropout_mask (the kernels draw the same one). For tests and S_dmask."""
+    mask = torch.empty((nheads, seqlen_q, seqlen_k), dtype=torch.uint8)
+    _capi.library().dropout_mask(float(dropout_p), dropout_seed & 0xFFFFFFFFFFFFFFFF,
+                                 dropout_offset & 0xFFFFFFFFFFFFFFFF, sequence, nheads, seqlen_q, seqlen_k,
+                                 mask.data_ptr())
+    return mask.bool()
 
 
 # ---- merging partial attention states (cascade attention, shared prefixes, split-KV) --------------------

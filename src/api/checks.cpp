@@ -210,6 +210,13 @@ void check_head_dim(int64_t value, const char* what) {
   if (value < 1 || value > 256) reject(cat(what, " is ", value, ": head dims must be in 1..256"));
 }
 
+float check_dropout_p(float dropout_p) {
+  if (!(dropout_p >= 0.0f && dropout_p < 1.0f)) {
+    reject(cat("dropout_p is ", dropout_p, ": it must be in [0, 1) (0 is no dropout)"));
+  }
+  return dropout_p;
+}
+
 float* check_sinks(const flare_tensor& sinks, const char* name, const flare_tensor& q, int64_t nheads) {
   if (!is_present(sinks)) return nullptr;
   check_tensor(sinks, name);

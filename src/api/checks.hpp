@@ -125,6 +125,9 @@ ScoreParams check_attn_options(const flare_attn_options& attn, const flare_tenso
 // Learnable sinks (flare.h) of a call whose q has nheads heads: absent (nullptr), or fp32 (nheads) on q's
 // device, and then its data. `name` is "sinks" or "dsinks" (the backward's gradient, which is written).
 float* check_sinks(const flare_tensor& sinks, const char* name, const flare_tensor& q, int64_t nheads);
+// Dropout's probability (flare.h): finite, in [0, 1).
+float check_dropout_p(float dropout_p);
+
 // Checks exec and copies it into the problem; the device comes from `device`.
 void check_exec_options(const flare_exec_options& exec, const flare_device& device, Problem* problem);
 

@@ -58,10 +58,13 @@ constexpr const char kNoCudaPagedVarlen[] =
 
 constexpr const char kNoCudaSinks[] =
     "learnable sinks (sinks) run on the CPU only in this release: CUDA tensors cannot take them yet";
+constexpr const char kNoCudaDropout[] =
+    "attention dropout (dropout_p > 0) runs on the CPU only in this release: CUDA tensors cannot take it yet";
 // What the CUDA backend does not take, named before anything runs; nullptr when it takes the call.
 const char* cuda_gap(const Problem& problem) {
   if (problem.pass == Pass::kForward && problem.block_table != nullptr) return kNoCudaPagedVarlen;
   if (problem.sinks != nullptr) return kNoCudaSinks;
+  if (problem.dropout_p > 0.0f) return kNoCudaDropout;
   return nullptr;
 }
 flare_status dispatch(const Problem& problem, flare_status (*run)(const Problem&)) {
@@ -237,6 +240,15 @@ FLARE_API flare_status flare_kvcache_workspace_size(const flare_kvcache_params* 
     Problem problem;
     if (flare_status s = flare::detail::validate_kvcache(params, &problem); s != FLARE_OK) return s;
     return flare::detail::report_workspace(problem, bytes);
+  });
+}
+
+FLARE_API flare_status flare_dropout_mask(float dropout_p, uint64_t dropout_seed, uint64_t dropout_offset,
+                                          int64_t sequence, int64_t nheads, int64_t seqlen_q, int64_t seqlen_k,
+                                          uint8_t* mask) {
+  return guarded("flare_dropout_mask", [&] {
+    return flare::detail::dropout_mask(dropout_p, dropout_seed, dropout_offset, sequence, nheads, seqlen_q,
+                                       seqlen_k, mask);
   });
 }
 

@@ -341,6 +341,11 @@ flare_status validate_fwd(const flare_fwd_params* params, bool varlen, Problem* 
     check_attention(args, &p);
     p.arch_path = read_arch_path(f);
     if (covers(f, &flare_fwd_params::sinks)) p.sinks = check_sinks(f.sinks, "sinks", f.q, p.nheads);
+    if (covers(f, &flare_fwd_params::dropout_offset)) {
+      p.dropout_p = check_dropout_p(f.dropout_p);
+      p.dropout_seed = f.dropout_seed;
+      p.dropout_offset = f.dropout_offset;
+    }
     require_no_overlap(f.out, "out");
     if (is_present(f.softmax_lse)) require_no_overlap(f.softmax_lse, "softmax_lse");
     *problem = p;
@@ -388,6 +393,11 @@ flare_status validate_bwd(const flare_bwd_params* params, bool varlen, Problem* 
         reject("dsinks is given but sinks is absent: the sinks' gradient needs the sinks of the forward");
       }
       if (p.dsinks != nullptr) require_no_overlap(b.dsinks, "dsinks");
+    }
+    if (covers(b, &flare_bwd_params::dropout_offset)) {
+      p.dropout_p = check_dropout_p(b.dropout_p);
+      p.dropout_seed = b.dropout_seed;
+      p.dropout_offset = b.dropout_offset;
     }
     for (int i = 1; i < 4; ++i) require_no_overlap(*grads[i].first, grads[i].second);
     const auto operand = varlen ? varlen_operand : dense_operand;

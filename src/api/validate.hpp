@@ -29,4 +29,8 @@ flare_status validate_merge(const flare_merge_params* params, MergeProblem* prob
 // (CPU: cpu::workspace_size). A null workspace always passes: flare then allocates its own.
 flare_status validate_workspace(const Problem& problem);
 
+// flare_dropout_mask (dropout_mask.cpp): checks its arguments, then writes the keep mask of one sequence.
+flare_status dropout_mask(float dropout_p, uint64_t seed, uint64_t offset, int64_t sequence, int64_t nheads,
+                          int64_t seqlen_q, int64_t seqlen_k, uint8_t* mask);
+
 }  // namespace flare::detail

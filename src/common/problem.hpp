@@ -95,6 +95,11 @@ struct Problem {
   // nullptr. dsinks (backward, optional): the sinks' gradient, fp32 (nheads), written.
   const float* sinks = nullptr;
   float* dsinks = nullptr;
+  // Dropout (flare.h): each probability kept with probability 1 - dropout_p (then scaled by 1 / (1 - p)) by
+  // common/philox.hpp's stream of (seed, offset); 0 = off. Forward and backward only.
+  float dropout_p = 0.0f;
+  uint64_t dropout_seed = 0;
+  uint64_t dropout_offset = 0;
   bool deterministic = false;
 
   // Execution.

@@ -9,6 +9,7 @@
 // Per (query tile, key block):
 //   S = Q K^T -> softcap/ALiBi/mask -> P = exp(S - lse);  dV += P^T dO;  dP = dO V^T;
 //   dS = P * (dP - D) (* (1 - tanh^2) under softcap);  dK += dS^T Q;  dQ += dS K.
+// With dropout (factors z, dropout.hpp): dV += (P z)^T dO and dS = P (dP z - D).
 // Q carries the softmax scale, so dK needs no extra factor and dQ is scaled once at the end.
 // Masked scores get dS = 0 by selection, not as P · (dP - D) with P = 0: a NaN or infinity in V at a key a row
 // cannot see makes its dP NaN, and 0 x NaN would carry it into the row's dQ and the key's dK. K's
@@ -17,6 +18,7 @@
 #pragma once
 
 #include "cpu/arena.hpp"
+#include "cpu/dropout.hpp"
 #include "cpu/groups.hpp"
 #include "cpu/score_tile.hpp"
 #include "cpu/sequences.hpp"
@@ -49,6 +51,7 @@ struct BackwardScratch {
   struct PerThread {
     Pack* pack;
     T *dq, *s, *dp, *tanh;  // dQ accumulator (whole sequence), then tiles: P, dP/dS, tanh of softcap
+    T* z;                   // one row's dropout factors
   };
   PerThread* threads = nullptr;
 
@@ -73,7 +76,7 @@ struct BackwardScratch {
     for (int t = 0; t < nt; ++t) {
       const int64_t tile = Tiles::kBq * Tiles::kBk;
       PerThread pt{pack ? &pack[t < packs ? t : 0] : nullptr, a.take<T>(nq * ld), a.take<T>(tile),
-                   a.take<T>(tile), a.take<T>(tile)};
+                   a.take<T>(tile), a.take<T>(tile), a.take<T>(Tiles::kBk)};
       if (threads) threads[t] = pt;
     }
   }
@@ -196,14 +199,21 @@ inline void backward_tile(const Problem& p, const Sequence& seq, int64_t h, int6
     const T lse = pk.lse[i0 + r];
     for (int64_t c = 0; c < Bk; c += W) vstore(srow + c, RowExpFull::apply(vload(srow + c), T(1), lse));
   }
-  gemm_tile<T, true, true>(Bk, dvp, Bq, t.s, Bk, dout, ldv, pk.dv + j0 * ldv, ldv);  // dV += P^T dO
+  // Dropout (factors z: 0 or 1 / (1 - p)): dV += (P z)^T dO and dS = P (dP z - D), so dV waits for P z.
+  const bool dropping = p.dropout_p > 0.0f;
+  if (!dropping) gemm_tile<T, true, true>(Bk, dvp, Bq, t.s, Bk, dout, ldv, pk.dv + j0 * ldv, ldv);  // dV += P^T dO
   gemm_tile_panels<T, false>(Bq, Bk, dv, dout, ldv, PanelsB<T>{pk.vt + kb * dv * Bk, dv, Bk}, t.dp, Bk);  // dP = dO V^T
   for (int64_t r = rows; r < Bq; ++r)  // padding rows: dS = 0 (their tanh entries were never written)
     for (int64_t c = 0; c < Bk; c += W) vstore(t.dp + r * Bk + c, V{});
+  const DropoutDraw draw = dropout_draw(p);
   for (int64_t r = 0; r < rows; ++r) {
     T* ds = t.dp + r * Bk;
-    const T* pr = t.s + r * Bk;
+    T* pr = t.s + r * Bk;
     const T delta = pk.delta[i0 + r];
+    if (dropping) {
+      dropout_row<T>(draw, dropout_stream(p, seq, h), i0 + r, j0, Bk, t.z);
+      for (int64_t c = 0; c < Bk; c += W) vstore(ds + c, vload(ds + c) * vload(t.z + c));
+    }
     if (shape.softcap > 0) {
       const T* th = t.tanh + r * Bk;
       for (int64_t c = 0; c < Bk; c += W) {
@@ -217,7 +227,10 @@ inline void backward_tile(const Problem& p, const Sequence& seq, int64_t h, int6
       const policy::KeyRange keys = mask.keys_of(i0 + r);
       fill_outside<T>(ds, Bk, keys.first - j0, keys.last - j0, T(0));
     }
+    if (dropping)
+      for (int64_t c = 0; c < Bk; c += W) vstore(pr + c, vload(pr + c) * vload(t.z + c));
   }
+  if (dropping) gemm_tile<T, true, true>(Bk, dvp, Bq, t.s, Bk, dout, ldv, pk.dv + j0 * ldv, ldv);  // dV += (P z)^T dO
   gemm_tile<T, true, true>(Bk, dp, Bq, t.dp, Bk, q, ld, pk.dk + j0 * ld, ld);        // dK += dS^T Q
   gemm_tile<T, true>(Bq, dp, Bk, t.dp, Bk, pk.k + j0 * ld, ld, t.dq + i0 * ld, ld);  // dQ += dS K
   add_seen_nonfinite_keys<T>(p, seq, h, pk.k_flags + j0, j0, Bk, i0, rows, t.dp, Bk, t.dq + i0 * ld, ld);

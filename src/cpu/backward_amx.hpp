@@ -36,6 +36,7 @@ struct AmxBackward {
       float* dqt;  // dQᵀ (dpad x nq)
       float *s, *dp, *tanh;
       uint16_t *p, *ds, *ds_vnni;
+      float* zt;  // dropout's keep factors of the tile, keys x queries
     };
     PerThread* threads = nullptr;
 
@@ -64,7 +65,8 @@ struct AmxBackward {
                      a.take<float>(tile),
                      a.take<uint16_t>(tile),
                      a.take<uint16_t>(tile),
-                     a.take<uint16_t>(tile)};
+                     a.take<uint16_t>(tile),
+                     a.take<float>(tile)};
         if (threads) threads[t] = pt;
       }
     }
@@ -130,8 +132,10 @@ struct AmxBackward {
     amx_gemm<false>(kBk, kBq, ws.dvpad, pk.v + j0 * ws.dvpad, ws.dvpad, pk.do_by_dv, ws.dvpad / 32, i0 / 16, 0,
                     t.dp, kBq);
 
+    const bool dropping = p.dropout_p > 0.0f;
+    if (dropping) dropout_keys_major(dropout_draw(p), dropout_stream(p, seq, h), i0, kBq, j0, kBk, t.zt, kBq);
     bf16_backward_elementwise(p, seq, h, i0, j0, kBk, kBq, pk.lse + i0, pk.delta + i0, t.s, t.dp, t.tanh, t.p,
-                              t.ds);  // Pᵀ, dSᵀ
+                              t.ds, dropping ? t.zt : nullptr);  // Pᵀ, dSᵀ
     // dSᵀ as VNNI pairs along keys (the B operand of dQᵀ): interleave rows 2r and 2r + 1.
     pack_b_n_along_rows(t.ds_vnni, kBk / 32, 0, kBk, kBq, kBq, [&](int64_t r) { return t.ds + r * kBq; });
 

@@ -48,6 +48,7 @@ struct DotBackward {
       float *s, *dp, *tanh;         // keys x queries tiles: Sᵀ then Pᵀ, dPᵀ then dSᵀ, softcap's tanh
       uint16_t *p, *ds;             // Pᵀ and dSᵀ in bf16
       uint32_t* ds_pairs;           // dSᵀ as pair rows along keys (kBk / 2 x kBq)
+      float* zt;                    // dropout's keep factors of the tile, keys x queries
     };
     PerThread* threads = nullptr;
 
@@ -85,7 +86,8 @@ struct DotBackward {
                      a.take<float>(tile),
                      a.take<uint16_t>(tile),
                      a.take<uint16_t>(tile),
-                     a.take<uint32_t>(tile / 2)};
+                     a.take<uint32_t>(tile / 2),
+                     a.take<float>(tile)};
         if (threads) threads[t] = pt;
       }
     }
@@ -155,8 +157,10 @@ struct DotBackward {
                     ws.ldt, t.s, kBq);  // Sᵀ = K Qᵀ
     dot_gemm<false>(kBk, kBq, ws.dvpairs, pk.v + j0 * ws.dvpairs, ws.dvpairs,
                     pk.do_by_dv + qt * ws.dvpairs * ws.ldt, ws.ldt, t.dp, kBq);  // dPᵀ = V dOᵀ
+    const bool dropping = p.dropout_p > 0.0f;
+    if (dropping) dropout_keys_major(dropout_draw(p), dropout_stream(p, seq, h), i0, kBq, j0, kBk, t.zt, kBq);
     bf16_backward_elementwise(p, seq, h, i0, j0, kBk, kBq, pk.lse + i0, pk.delta + i0, t.s, t.dp, t.tanh, t.p,
-                              t.ds);
+                              t.ds, dropping ? t.zt : nullptr);
     pack_pairs_across_rows(t.ds_pairs, kBq, kBk, kBq, kBq, [&](int64_t r) { return t.ds + r * kBq; });
 
     const auto words = [](const uint16_t* x) { return reinterpret_cast<const uint32_t*>(x); };

@@ -31,8 +31,10 @@ inline void round_to_bf16(const float* src, uint16_t* dst, int64_t n) {
 // vectors, one vcvtne2ps2bf16) at a time: the row's length must be a multiple of 32.
 class Bf16PairWriter {
  public:
-  explicit Bf16PairWriter(uint16_t* row) : row_(row) {}
+  // z, when given: each value is first multiplied by its factor z[c] (dropout's keep factors).
+  explicit Bf16PairWriter(uint16_t* row, const float* z = nullptr) : row_(row), z_(z) {}
   void operator()(int64_t c, vec_t<float> e) {
+    if (z_) e = e * vload(z_ + c);
     if (c % 32 == 0) {
       even_ = static_cast<__m512>(e);
     } else {
@@ -43,6 +45,7 @@ class Bf16PairWriter {
 
  private:
   uint16_t* row_;
+  const float* z_;
   __m512 even_ = _mm512_setzero_ps();
 };
 
@@ -71,9 +74,11 @@ inline void bf16_delta_and_lse(const Problem& p, const Sequence& seq, const RowP
 // are the tile's queries' (lse = +inf where a query sees no key or is padding, so that its P is 0). Where a
 // query cannot see a key, or is padding, dS is 0 by selection: 0 x (dP - D) would be NaN when the key's V
 // (and so dP) holds a NaN or infinity, and would carry it into the query's dQ and the key's dK.
+// With dropout, zt holds the tile's keep factors z (keys-major like s): Pᵀ becomes Pᵀ z (for dV) and
+// dSᵀ = Pᵀ ∘ (dPᵀ z - D); zt is null without dropout.
 inline void bf16_backward_elementwise(const Problem& p, const Sequence& seq, int64_t h, int64_t i0, int64_t j0,
                                       int64_t keys, int64_t queries, const float* lse, const float* delta, float* s,
-                                      float* dp, float* tanh, uint16_t* pb, uint16_t* ds) {
+                                      float* dp, float* tanh, uint16_t* pb, uint16_t* ds, const float* zt) {
   using V = vec_t<float>;
   constexpr int W = Simd<float>::W;
   const policy::WindowMask mask = seq.mask(p);
@@ -93,12 +98,19 @@ inline void bf16_backward_elementwise(const Problem& p, const Sequence& seq, int
     float* dsrow = dp + r * queries;
     const float* th = tanh + r * queries;
     for (int64_t c = 0; c < queries; c += W) {
-      const V pv = vexp(vload(srow + c) * row_scale - vload(lse + c));
-      V d = pv * (vload(dsrow + c) - vload(delta + c));
+      V pv = vexp(vload(srow + c) * row_scale - vload(lse + c));
+      V dpv = vload(dsrow + c);
+      V zv{};
+      if (zt) {
+        zv = vload(zt + r * queries + c);
+        dpv = dpv * zv;
+      }
+      V d = pv * (dpv - vload(delta + c));
       if (shape.softcap > 0) {
         const V tv = vload(th + c);
         d = d * (1.0f - tv * tv);
       }
+      if (zt) pv = pv * zv;
       vstore(srow + c, pv);
       vstore(dsrow + c, d);
     }

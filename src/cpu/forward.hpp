@@ -5,7 +5,8 @@
 // groups.hpp decides. A tile keeps its output accumulator, running max m and running sum l; per key block:
 //   S = Q K^T (scaled Q)  ->  softcap / ALiBi / mask  ->  m' = max(m, rowmax S), P = exp(S - m'),
 //   l = l * exp(m - m') + rowsum P,  O = O * exp(m - m') + P V.
-// At the end O / l is written and lse = m + log l. Scratch is a pack of the longest sequence's keys
+// With dropout each row's P is multiplied by its keep factors (dropout.hpp) as it is written, after l took
+// the undropped sum. At the end O / l is written and lse = m + log l, a sink folded into both. Scratch is a pack of the longest sequence's keys
 // (longest_sequence) per thread or per team (groups.hpp) plus O(tile) per thread: no seqlen_q x seqlen_k
 // buffer exists, and a KV cache's unused capacity costs nothing. Rows that see no key get out = 0 and lse = -inf.
 #pragma once
@@ -13,6 +14,7 @@
 #include <cmath>
 
 #include "cpu/arena.hpp"
+#include "cpu/dropout.hpp"
 #include "cpu/groups.hpp"
 #include "cpu/score_tile.hpp"
 #include "cpu/sequences.hpp"
@@ -45,8 +47,8 @@ struct ForwardScratch {
     T* v;
     uint8_t* v_flags;  // per key of the pack: its V row holds a NaN or infinity (unseen_values.hpp)
     // Per tile of a visit (kTilesPerVisit x): Q, output accumulator, running max and sum; shared by them:
-    // the scores and probabilities of the tile being worked on.
-    T *q, *s, *p, *o, *m, *l;
+    // the scores and probabilities of the tile being worked on, and one row's dropout factors.
+    T *q, *s, *p, *o, *m, *l, *z;
   };
   PerThread* threads = nullptr;
 
@@ -71,7 +73,8 @@ struct ForwardScratch {
                    a.take<T>(Tiles::kBq * Tiles::kBk),
                    a.take<T>(rows * dvp),
                    a.take<T>(rows),
-                   a.take<T>(rows)};
+                   a.take<T>(rows),
+                   a.take<T>(Tiles::kBk)};
       if (threads) threads[t] = pt;
     }
   }
@@ -228,6 +231,10 @@ inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int6
   // shaping beyond the mask (which the scale does not change): the softmax then applies the scale.
   const bool in_place = plain && p.dtype == dtype_of<T>();
   const T softmax_scale = in_place ? static_cast<T>(p.score.scale) : T(1);
+  // Dropout multiplies each row's P by its keep factors before O += P V; the sum l stays undropped.
+  const DropoutDraw draw = dropout_draw(p);
+  const uint32_t stream = dropout_stream(p, seq, h);
+  const T* z = p.dropout_p > 0.0f ? t.z : nullptr;
   const int64_t ldq = in_place ? qrows.row_bytes / static_cast<int64_t>(sizeof(T)) : dp;
 
   struct Tile {
@@ -278,8 +285,11 @@ inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int6
         shape_scores<T>(t.s, Bk, rows, cols, tl.i0, j0, mask, shape, nullptr);
       for (int64_t r = 0; r < rows; ++r) {
         T* prow = t.p + r * Bk;
+        if (z) dropout_row<T>(draw, stream, tl.i0 + r, j0, cols, t.z);
         const T alpha = online_softmax_row<T>(t.s + r * Bk, cols, softmax_scale, tl.m[r], tl.l[r],
-                                              [prow](int64_t c, vec_t<T> e) { vstore(prow + c, e); });
+                                              [prow, z](int64_t c, vec_t<T> e) {
+                                                vstore(prow + c, z ? e * vload(z + c) : e);
+                                              });
         if (alpha != T(1) && tl.started) scale_row<T>(tl.o + r * dvp, dvp, alpha);
       }
       for (int64_t r = rows; r < Bq; ++r)

@@ -26,6 +26,7 @@ struct AmxForward {
       float* o;
       float* m;
       float* l;
+      float* z;  // one row's dropout factors, kBk
     };
     PerThread* threads = nullptr;
 
@@ -44,7 +45,7 @@ struct AmxForward {
                                  : threads ? threads[0].vpack : nullptr;
         uint8_t* vf = t < packs ? a.take<uint8_t>(nkb * kBk) : threads ? threads[0].v_flags : nullptr;
         PerThread pt{kp, vp, vf, a.take<uint16_t>(kBq * dpad), a.take<float>(kBq * kBk), a.take<uint16_t>(kBq * kBk),
-                     a.take<float>(kBq * dvpad), a.take<float>(kBq), a.take<float>(kBq)};
+                     a.take<float>(kBq * dvpad), a.take<float>(kBq), a.take<float>(kBq), a.take<float>(kBk)};
         if (threads) threads[t] = pt;
       }
     }
@@ -98,6 +99,9 @@ struct AmxForward {
     const ScoreShape shape = score_shape(p, seq, h);
     const bool plain = shape.plain();
     const auto [first, last] = visible_keys(mask, i0, rows, seq.seqlen_k);
+    const bool dropping = p.dropout_p > 0.0f;  // P times its keep factors before O += P V (l stays undropped)
+    const DropoutDraw draw = dropout_draw(p);
+    const uint32_t stream = dropout_stream(p, seq, h);
 
     for (int64_t kb = first / kBk; first <= last && kb <= last / kBk; ++kb) {
       const int64_t j0 = kb * kBk;
@@ -120,8 +124,9 @@ struct AmxForward {
           continue;
         }
         // P is written 32 columns at a time (Bf16PairWriter): cols is a multiple of 32.
+        if (dropping) dropout_row<float>(draw, stream, i0 + r, j0, cols, t.z);
         const float alpha = online_softmax_row<float>(t.s + r * kBk, cols, row_scale, t.m[r], t.l[r],
-                                                      Bf16PairWriter(prow), RowExpBf16{});
+                                                      Bf16PairWriter(prow, dropping ? t.z : nullptr), RowExpBf16{});
         if (alpha != 1.0f) scale_row<float>(t.o + r * dvpad, dvpad, alpha);
       }
       amx_gemm<true>(row_blocks * 32, dvpad, cols, t.p, kBk, vblock, kBk / 32, 0, 0, t.o, dvpad);  // O += P V

@@ -32,6 +32,7 @@ struct DotForward {
       uint16_t* p;      // probabilities in bf16, kBq x kBk
       float* o;         // output accumulator, kBq x dvpad
       float *m, *l;     // running max and sum
+      float* z;         // one row's dropout factors, kBk
     };
     PerThread* threads = nullptr;
 
@@ -49,7 +50,7 @@ struct DotForward {
         uint32_t* vp = t < packs ? a.take<uint32_t>(nkb * (kBk / 2) * ldv) : threads ? threads[0].vpack : nullptr;
         uint8_t* vf = t < packs ? a.take<uint8_t>(nkb * kBk) : threads ? threads[0].v_flags : nullptr;
         PerThread pt{kp, vp, vf, a.take<uint32_t>(kBq * dpairs), a.take<float>(kBq * kBk), a.take<uint16_t>(kBq * kBk),
-                     a.take<float>(kBq * dvpad), a.take<float>(kBq), a.take<float>(kBq)};
+                     a.take<float>(kBq * dvpad), a.take<float>(kBq), a.take<float>(kBq), a.take<float>(kBk)};
         if (threads) threads[t] = pt;
       }
     }
@@ -100,6 +101,9 @@ struct DotForward {
     const ScoreShape shape = score_shape(p, seq, h);
     const bool plain = shape.plain();
     const auto [first, last] = visible_keys(mask, i0, rows, seq.seqlen_k);
+    const bool dropping = p.dropout_p > 0.0f;  // P times its keep factors before O += P V (l stays undropped)
+    const DropoutDraw draw = dropout_draw(p);
+    const uint32_t stream = dropout_stream(p, seq, h);
 
     for (int64_t kb = first / kBk; first <= last && kb <= last / kBk; ++kb) {
       const int64_t j0 = kb * kBk;
@@ -114,8 +118,10 @@ struct DotForward {
         row_scale = 1.0f;
       }
       for (int64_t r = 0; r < rows; ++r) {
+        if (dropping) dropout_row<float>(draw, stream, i0 + r, j0, cols, t.z);
         const float alpha = online_softmax_row<float>(t.s + r * kBk, cols, row_scale, t.m[r], t.l[r],
-                                                      Bf16PairWriter(t.p + r * kBk), RowExpBf16{});
+                                                      Bf16PairWriter(t.p + r * kBk, dropping ? t.z : nullptr),
+                                                      RowExpBf16{});
         if (alpha != 1.0f) scale_row<float>(t.o + r * dvpad, dvpad, alpha);
       }
       dot_gemm<true>(rows, dvpad, cols / 2, reinterpret_cast<const uint32_t*>(t.p), kBk / 2,

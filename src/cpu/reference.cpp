@@ -4,6 +4,8 @@
 // goal beyond keeping the tests affordable; obviousness is.
 #include "cpu/reference.hpp"
 
+#include "common/philox.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -93,7 +95,25 @@ double log_sum_exp(const std::vector<double>& s, double sink) {
 
 double sink_of(const Options& opts, int64_t h) { return opts.sinks.empty() ? kNegInf : opts.sinks[h]; }
 
+// The dropout factor of (h, i, j): 1 without dropout; else 1 / (1 - p) where kept, 0 where dropped.
+double dropout_factor(const Options& opts, int64_t nheads, int64_t h, int64_t i, int64_t j) {
+  if (opts.dropout_p == 0.0) return 1.0;
+  return dropout_keeps(opts, nheads, h, i, j) ? 1.0 / (1.0 - opts.dropout_p) : 0.0;
+}
+
 }  // namespace
+
+bool dropout_keeps(const Options& opts, int64_t nheads, int64_t h, int64_t i, int64_t j) {
+  // Written out from flare.h's statement of the mapping, apart from the kernels' vectorised draw.
+  const uint32_t k0 = static_cast<uint32_t>(opts.dropout_seed);
+  const uint32_t k1 = static_cast<uint32_t>(opts.dropout_seed >> 32) ^ static_cast<uint32_t>(opts.dropout_offset >> 32);
+  const philox::Words counter{{static_cast<uint32_t>(j / 4), static_cast<uint32_t>(i),
+                               static_cast<uint32_t>(opts.sequence * nheads + h),
+                               static_cast<uint32_t>(opts.dropout_offset)}};
+  const philox::Words words = philox::philox4x32_10(counter, k0, k1);
+  const double threshold = std::min(std::floor(opts.dropout_p * 4294967296.0 + 0.5), 4294967295.0);
+  return static_cast<double>(words.w[j % 4]) >= threshold;
+}
 
 bool key_visible(const Options& opts, int64_t i, int64_t j, int64_t seqlen_q, int64_t seqlen_k) {
   const int64_t diagonal = i + seqlen_k - seqlen_q;  // the key aligned with query i (bottom-right)
@@ -120,7 +140,8 @@ ForwardResult forward(const Dims& dims, const Options& opts, const Sequence& seq
       const double lse = log_sum_exp(rs.score, sink_of(opts, h));
       r.lse[h * seq.seqlen_q + i] = lse;
       if (lse == kNegInf) continue;  // no visible key (nor sink): out stays 0
-      for (int64_t j = 0; j < seq.seqlen_k; ++j) p[j] = apply_round(round, std::exp(rs.score[j] - lse));
+      for (int64_t j = 0; j < seq.seqlen_k; ++j)
+        p[j] = apply_round(round, std::exp(rs.score[j] - lse) * dropout_factor(opts, dims.nheads, h, i, j));
       double* oi = &r.out[(i * dims.nheads + h) * dims.headdim_v];
       for (int64_t j = 0; j < seq.seqlen_k; ++j) {
         if (p[j] == 0.0) continue;
@@ -150,7 +171,7 @@ Gradients backward(const Dims& dims, const Options& opts, const Sequence& seq, c
   g.dv.assign(seq.v.size(), 0.0);
   if (!opts.sinks.empty()) g.dsinks.assign(dims.nheads, 0.0);
   RowScores rs;
-  std::vector<double> p(seq.seqlen_k), dp(seq.seqlen_k);
+  std::vector<double> p(seq.seqlen_k), dp(seq.seqlen_k), zs(seq.seqlen_k, 1.0);
   for (int64_t h = 0; h < dims.nheads; ++h) {
     const int64_t hk = h / group;
     for (int64_t i = 0; i < seq.seqlen_q; ++i) {
@@ -168,11 +189,15 @@ Gradients backward(const Dims& dims, const Options& opts, const Sequence& seq, c
       for (int64_t j = 0; j < seq.seqlen_k; ++j) {
         p[j] = dp[j] = 0.0;
         if (rs.score[j] == kNegInf) continue;
+        // p: the undropped probability (the softmax's Jacobian); dp: the gradient reaching it, through dropout's
+        // factor z (out = sum_j p_j z_j v_j).
+        const double z = dropout_factor(opts, dims.nheads, h, i, j);
         p[j] = apply_round(round, std::exp(rs.score[j] - lse));
         const double* vj = &seq.v[(j * dims.nheads_k + hk) * dims.headdim_v];
         double acc = 0.0;
         for (int64_t c = 0; c < dims.headdim_v; ++c) acc += doi[c] * vj[c];
-        dp[j] = apply_round(round, acc);
+        dp[j] = apply_round(round, acc * z);
+        zs[j] = z;
       }
       double* dqi = &g.dq[(i * dims.nheads + h) * dims.headdim];
       for (int64_t j = 0; j < seq.seqlen_k; ++j) {
@@ -191,7 +216,8 @@ Gradients backward(const Dims& dims, const Options& opts, const Sequence& seq, c
           dkj[c] += scale * ds * qi[c];
         }
         double* dvj = &g.dv[(j * dims.nheads_k + hk) * dims.headdim_v];
-        for (int64_t c = 0; c < dims.headdim_v; ++c) dvj[c] += p[j] * doi[c];
+        const double pz = apply_round(round, p[j] * zs[j]);
+        for (int64_t c = 0; c < dims.headdim_v; ++c) dvj[c] += pz * doi[c];
       }
     }
   }

@@ -16,6 +16,7 @@
 //   GQA:         query head h reads kv head h / (nheads / nheads_k);
 //   sinks:       exp(sink_h) joins every row's softmax denominator (no value): lse = log(sum_j exp(score_j)
 //                + exp(sink_h)), P_j = exp(score_j - lse);
+//   dropout:     out = sum_j P_ij z_ij v_j with z_ij = 1 / (1 - p) where kept, 0 where dropped (lse undropped);
 //   a query row with no visible key gets out = 0 and lse = -inf (sink_h with sinks).
 #pragma once
 
@@ -39,7 +40,15 @@ struct Options {
   int64_t window_right = -1;   // -1 = unbounded
   std::vector<double> alibi_slopes;  // this sequence's slope per query head (nheads); empty = no ALiBi
   std::vector<double> sinks;         // learnable sink logit per query head (nheads); empty = none
+  // Dropout (flare.h's contract): P_ij of query head h kept with probability 1 - dropout_p and scaled by
+  // 1 / (1 - dropout_p), by the Philox mask of (seed, offset, sequence, h, i, j); 0 = off.
+  double dropout_p = 0.0;
+  uint64_t dropout_seed = 0, dropout_offset = 0;
+  int64_t sequence = 0;  // this sequence's index b in its call
 };
+
+// Whether dropout keeps (h, i, j) of this sequence (call with dims.nheads heads): flare.h's Philox mapping.
+bool dropout_keeps(const Options& opts, int64_t nheads, int64_t h, int64_t i, int64_t j);
 
 // Models a computation that keeps its intermediates in a low-precision dtype ("same-dtype naive"): when
 // set, it rounds the probabilities P (after normalisation) and the output in the forward, and P, dP, dS

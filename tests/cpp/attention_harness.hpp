@@ -43,6 +43,7 @@ struct AttnCase {
   int32_t num_threads = 0;
   bool deterministic = false;    // backward
   bool sinks = false;            // learnable sinks, one random logit per query head (backward: and dsinks)
+  float dropout_p = 0.0f;        // dropout with a random seed and offset per problem
 
   int64_t batch() const { return static_cast<int64_t>(seqlens_q.size()); }
 
@@ -70,6 +71,7 @@ struct AttnCase {
     if (!with_lse) s += " no-lse";
     if (num_threads) s += " threads=" + std::to_string(num_threads);
     if (sinks) s += " sinks";
+    if (dropout_p > 0.0f) s += " dropout=" + std::to_string(dropout_p);
     return s;
   }
 };
@@ -130,6 +132,7 @@ struct AttnProblem {
   reference::Dims dims;
   std::vector<reference::Sequence> seqs;
   std::vector<reference::Options> opts;
+  uint64_t dropout_seed = 0, dropout_offset = 0;
 
   // Shapes of q/out-like and k-like tensors for a given last dimension and head count.
   std::vector<int64_t> q_shape(int64_t heads, int64_t dim) const {
@@ -196,6 +199,9 @@ inline AttnProblem make_problem(AttnCase c, Rng& rng) {
       for (int64_t h = 0; h < c.nheads; ++h) slopes.push_back(stored[(per_batch ? b * c.nheads : 0) + h]);
   }
 
+  // Dropout's stream: any 64-bit seed and offset (high bits set, so both halves of each reach the mask).
+  pb.dropout_seed = (uint64_t{rng.engine()()} << 32) | rng.engine()();
+  pb.dropout_offset = (uint64_t{rng.engine()()} << 32) | rng.engine()();
   std::vector<double> sinks;  // (nheads): from below the scores' typical lse to above it
   if (c.sinks) {
     pb.sinks = HostTensor::contiguous(FLARE_DTYPE_F32, {c.nheads});
@@ -233,6 +239,10 @@ inline AttnProblem make_problem(AttnCase c, Rng& rng) {
     o.window_right = c.window_right;
     if (!slopes.empty()) o.alibi_slopes.assign(slopes.begin() + b * c.nheads, slopes.begin() + (b + 1) * c.nheads);
     o.sinks = sinks;
+    o.dropout_p = c.dropout_p;
+    o.dropout_seed = pb.dropout_seed;
+    o.dropout_offset = pb.dropout_offset;
+    o.sequence = b;
     pb.opts.push_back(std::move(o));
   }
   return pb;
@@ -359,6 +369,9 @@ inline flare_bwd_params bwd_params(const AttnProblem& pb, const HostTensor& out,
   p.attn = attn_options(pb, p.attn);
   p.exec.num_threads = num_threads;
   p.sinks = pb.sinks.view();
+  p.dropout_p = pb.c.dropout_p;
+  p.dropout_seed = pb.dropout_seed;
+  p.dropout_offset = pb.dropout_offset;
   return p;
 }
 
@@ -388,6 +401,9 @@ inline ForwardOutputs check_forward(const AttnCase& c_in, Rng& rng, double fp32_
   p.attn = attn_options(pb, p.attn);
   p.exec.num_threads = c.num_threads;
   p.sinks = pb.sinks.view();
+  p.dropout_p = c.dropout_p;
+  p.dropout_seed = pb.dropout_seed;
+  p.dropout_offset = pb.dropout_offset;
   ForwardOutputs result;
   if (c.varlen) {
     set_varlen_fields(pb, p);

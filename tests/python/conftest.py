@@ -17,10 +17,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 def reference_attention(q, k, v, causal=False, window=(-1, -1), softcap=0.0, alibi_slopes=None, scale=None,
-                        sinks=None):
+                        sinks=None, dropout=None):
     """Naive attention in fp64 over the dense layout q (b, sq, h, d), k/v (b, sk, hk, d) -> (out, lse).
     Written from the math in docs/semantics.md, independent of flare. sinks (h): a logit per head whose exp
-    joins each row's softmax denominator (learnable sinks). Differentiable in every tensor argument."""
+    joins each row's softmax denominator (learnable sinks). dropout: (p, keep) with keep a bool (b, h, sq, sk)
+    mask: P is multiplied by keep / (1 - p) before P V (lse stays undropped). Differentiable in every tensor
+    argument."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -50,6 +52,8 @@ def reference_attention(q, k, v, causal=False, window=(-1, -1), softcap=0.0, ali
         sink = sinks.double().view(1, h, 1, 1).expand(b, h, sq, 1)
         lse = torch.logsumexp(torch.cat([s, sink], dim=-1), dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
+    if dropout is not None:
+        p = p * dropout[1].double() / (1.0 - dropout[0])
     out = torch.einsum("bhij,bjhd->bihd", p, vd)
     return out, lse
 

@@ -49,12 +49,11 @@ def test_alibi_per_batch():
 
 
 def test_unsupported_arguments_raise():
+    # S_dmask comes from the dense functions only (tests/python/test_dropout.py covers dropout itself).
     q = torch.randn(1, 8, 2, 16)
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        flash_attn_func(q, q, q, dropout_p=0.1)
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 8], dtype=torch.int32),
-                               torch.tensor([0, 8], dtype=torch.int32), 8, 8, 0.5)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="S_dmask"):
+        flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 8, 8, 0.5, return_attn_probs=True)
 
 
 def test_arch_path():

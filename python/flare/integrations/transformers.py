@@ -15,8 +15,8 @@ three routes, as FA2's does:
   - otherwise the dense flash_attn_func.
 GQA/MQA key/value heads go in as they are (no repeat_kv); with a cache, seqlen_q < seqlen_k and causal is
 aligned bottom-right. sliding_window w becomes window_size (w - 1, w - 1), softcap is passed on, and so are
-s_aux (GPT-OSS's learnable attention sinks, differentiable).
-Not supported: attention dropout > 0 (NotImplementedError).
+s_aux (GPT-OSS's learnable attention sinks, differentiable) and the attention dropout models ask for in
+training (`dropout`, drawn from torch's default generator; CPU tensors in this release).
 
 Under torch.compile nothing is read on the host: a padding mask is passed as each row's run of valid keys
 (cu_seqlens_k + seqused_k), so the static-cache compiled generate() runs with fullgraph=True; the mask
@@ -77,13 +77,12 @@ def flare_attention_forward(module, query, key, value, attention_mask, dropout=0
     """transformers' attention-function signature: query (batch, nheads, seqlen_q, headdim), key/value
     (batch, nheads_k, seqlen_k, headdim), attention_mask the 2D padding mask (batch, seqlen_k) or None.
     Returns (attn_output (batch, seqlen_q, nheads, headdim_v), None)."""
-    if dropout and dropout > 0.0:
-        raise NotImplementedError(f"flare: attention dropout={dropout} is not supported")
     if kwargs.get("output_attentions", False):
         raise NotImplementedError("flare: output_attentions=True is not supported (use eager)")
     causal = module.is_causal if is_causal is None else is_causal
     window = (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)
-    options = dict(softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap or 0.0, s_aux=s_aux)
+    options = dict(softmax_scale=scaling, causal=causal, window_size=window, softcap=softcap or 0.0, s_aux=s_aux,
+                   dropout_p=float(dropout or 0.0))
 
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (batch, seqlen, heads, dim)
     batch, seqlen_q = q.shape[0], q.shape[1]

@@ -1,0 +1,69 @@
+// philox.hpp — the counter-based random numbers behind attention dropout, shared by every backend.
+//
+// Philox4x32-10 (Salmon, Moraes, Dror, Shaw: "Parallel random numbers: as easy as 1, 2, 3", SC 2011): a
+// 128-bit counter and a 64-bit key give four 32-bit words through ten rounds of two 32x32->64 multiplies.
+// Any element's word is computed from its coordinates alone, so the CPU and CUDA backends, any tiling and any
+// thread count draw the same mask, and the backward recomputes the forward's mask instead of storing it.
+//
+// Dropout's mapping (flare.h states it as the contract): the keep decision of (sequence b, query head h,
+// query i, key j), i and j counted within the sequence, is word j % 4 of
+//   philox4x32_10(counter = {j / 4, i, b * nheads + h, low 32 bits of offset},
+//                 key     = {low 32 bits of seed, high 32 bits of seed ^ high 32 bits of offset})
+// and the element is kept when that word is >= dropout_threshold(p) (probability 1 - p, to 2^-32).
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#  define FLARE_PHILOX_HD __host__ __device__ __forceinline__
+#else
+#  define FLARE_PHILOX_HD inline __attribute__((always_inline))
+#endif
+
+namespace flare::philox {
+
+inline constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;   // round multipliers
+inline constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;  // key schedule increments
+inline constexpr int kRounds = 10;
+
+struct Words {
+  uint32_t w[4];
+};
+
+// Philox4x32-10 of counter c under key (k0, k1).
+FLARE_PHILOX_HD Words philox4x32_10(Words c, uint32_t k0, uint32_t k1) {
+  for (int round = 0; round < kRounds; ++round) {
+    const uint64_t p0 = uint64_t{kMul0} * c.w[0];
+    const uint64_t p1 = uint64_t{kMul1} * c.w[2];
+    const uint32_t hi0 = static_cast<uint32_t>(p0 >> 32), lo0 = static_cast<uint32_t>(p0);
+    const uint32_t hi1 = static_cast<uint32_t>(p1 >> 32), lo1 = static_cast<uint32_t>(p1);
+    c = Words{{hi1 ^ c.w[1] ^ k0, lo1, hi0 ^ c.w[3] ^ k1, lo0}};
+    k0 += kWeyl0;
+    k1 += kWeyl1;
+  }
+  return c;
+}
+
+// The dropout stream of one call: seed and offset as the C ABI takes them (flare_fwd_params' dropout_seed,
+// dropout_offset), split into Philox's key and the counter's last word.
+struct DropoutKey {
+  uint32_t k0 = 0, k1 = 0, offset = 0;
+};
+FLARE_PHILOX_HD DropoutKey dropout_key(uint64_t seed, uint64_t offset) {
+  return {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32) ^ static_cast<uint32_t>(offset >> 32),
+          static_cast<uint32_t>(offset)};
+}
+
+// Words below the threshold drop their element: round(p * 2^32), at most 2^32 - 1 (p < 1 is checked).
+inline uint32_t dropout_threshold(double p) {
+  const double t = p * 4294967296.0 + 0.5;
+  return t >= 4294967295.0 ? 4294967295u : static_cast<uint32_t>(t);
+}
+
+// The four keep words of keys 4 * group .. 4 * group + 3 of query i in (sequence, head) row stream `stream`
+// (b * nheads + h).
+FLARE_PHILOX_HD Words dropout_words(const DropoutKey& key, uint32_t stream, uint32_t i, uint32_t group) {
+  return philox4x32_10(Words{{group, i, stream, key.offset}}, key.k0, key.k1);
+}
+
+}  // namespace flare::philox
