@@ -120,7 +120,7 @@ FLARE_API flare_tensor flare_tensor_contiguous(void* data, flare_dtype dtype, fl
  *                 key = {(uint32) dropout_seed, (uint32)(dropout_seed >> 32) ^ (uint32)(dropout_offset >> 32)})
  * is >= round(dropout_p * 2^32) (counter words and products modulo 2^32). The backward must be given the
  * forward's dropout_p, dropout_seed and dropout_offset: it draws the same mask again. flare_dropout_mask
- * writes the mask of one sequence. CUDA devices: FLARE_UNSUPPORTED in this release. */
+ * writes the mask of one sequence. CUDA devices: the sm80 kernels run it (a forced sm90 forward refuses it). */
 
 /* Sinks (learnable attention sinks, GPT-OSS's s_aux): an optional fp32 tensor of shape (nheads) on the
  * device of q, one logit per query head, in the units of the final scores. It joins every row's softmax
@@ -205,7 +205,7 @@ typedef struct flare_fwd_params {
    * above, flare_fwd_varlen only. CUDA devices: FLARE_UNSUPPORTED in this release. */
   flare_tensor block_table;
   /* Appended after 0.1.0, read only when struct_size covers it (absent otherwise): learnable attention
-   * sinks, see "Sinks" above flare_attn_options. CUDA devices: FLARE_UNSUPPORTED in this release. */
+   * sinks, see "Sinks" above flare_attn_options. */
   flare_tensor sinks;
   /* Appended after 0.1.0, read only when struct_size covers them (0 otherwise): dropout, see "Dropout" above
    * flare_attn_options. dropout_p in [0, 1); 0 is off. */
@@ -244,7 +244,8 @@ typedef struct flare_bwd_params {
    * forward (see "Sinks" above flare_attn_options); the lse given must be the forward's, which counts them.
    * dsinks, optional, written when present (requires sinks): fp32 (nheads), the gradient of sum(out * dout)
    * by each sink, dsinks[h] = -sum over h's rows of exp(sinks[h] - lse) * rowsum(dout * out), summed over
-   * the batch. CUDA devices: FLARE_UNSUPPORTED in this release. */
+   * the batch. CUDA devices: dsinks is FLARE_UNSUPPORTED in this release (sinks are taken: the lse carries
+   * them into dq, dk and dv). */
   flare_tensor sinks;
   flare_tensor dsinks;
   /* Appended after 0.1.0, read only when struct_size covers them (0 otherwise): the forward's dropout. */
@@ -298,7 +299,7 @@ typedef struct flare_kvcache_params {
   flare_attn_options attn;
   flare_exec_options exec;
   /* Appended after 0.1.0, read only when struct_size covers it (absent otherwise): learnable attention
-   * sinks as in the forward. CUDA devices: FLARE_UNSUPPORTED in this release. */
+   * sinks as in the forward. */
   flare_tensor sinks;
 } flare_kvcache_params;
 

@@ -2,8 +2,8 @@
 
 Migrating is an import change: `from flare.flash_attn_interface import flash_attn_func` (or `from flare
 import ...`) instead of `from flash_attn import ...`. What flare does not do raises NotImplementedError that
-names the argument. dropout_p > 0 (CPU tensors in this release) draws its seed and offset from torch's default
-CPU generator, so torch.manual_seed reproduces a run; the backward redraws the forward's mask. With dropout,
+names the argument. dropout_p > 0 draws its seed and offset from torch's default CPU generator (a host step:
+no CUDA graph capture of a dropout call yet), so torch.manual_seed reproduces a run; the backward redraws the forward's mask. With dropout,
 return_attn_probs=True gives flash-attn 2's S_dmask, (batch, nheads, seqlen_q, seqlen_k), the softmax
 probabilities with the dropped ones negated, from the dense functions (seqlen_k within the head-dim limit: it
 is computed by a forward against identity values, for tests); without dropout it is an empty tensor, as in
@@ -86,7 +86,7 @@ def _s_dmask(q, k, args, dropout):
     forward without dropout against identity values (out[i][j] = P_ij), negated where dropout drops them."""
     b, sq, h = q.shape[:3]
     sk, hk = k.shape[1], k.shape[2]
-    eye = torch.eye(sk, dtype=q.dtype).view(1, sk, 1, sk).expand(b, sk, hk, sk).contiguous()
+    eye = torch.eye(sk, dtype=q.dtype, device=q.device).view(1, sk, 1, sk).expand(b, sk, hk, sk).contiguous()
     with torch.no_grad():
         probs, _ = ops.fwd_eager(q.detach(), k.detach(), eye, *args)
     probs = probs.permute(0, 2, 1, 3)

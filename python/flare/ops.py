@@ -25,7 +25,7 @@ forward's out and lse (torch ops, so on any device), in the sinks' dtype.
 dropout_p, dropout_seed, dropout_offset (flare::fwd and flare::bwd): attention dropout, FlashAttention 2's
 semantics; the mask is a pure function of the seed, offset and coordinates (flare.h "Dropout"), so the backward
 draws the forward's again (autograd hands the three on). Seeds and offsets are 64-bit patterns; Python ints
-in int64's range carry them (read modulo 2^64). CPU tensors only in this release.
+in int64's range carry them (read modulo 2^64). On CUDA the sm80 kernels run it.
 
 arch_path (the forward ops): which CUDA kernels run the call, "auto" (default: the sm90 kernels on a compute
 capability 9.0 GPU for the calls they cover, else the sm80 ones), "sm80" or "sm90" (NotImplementedError, with

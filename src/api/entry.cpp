@@ -56,15 +56,13 @@ constexpr const char kNoCudaPagedVarlen[] =
     "flare_fwd_varlen with block_table (a paged KV cache) runs on the CPU only in this release: on CUDA "
     "tensors use flare_fwd_kvcache (block_table there), or gather the cache into varlen k/v";
 
-constexpr const char kNoCudaSinks[] =
-    "learnable sinks (sinks) run on the CPU only in this release: CUDA tensors cannot take them yet";
-constexpr const char kNoCudaDropout[] =
-    "attention dropout (dropout_p > 0) runs on the CPU only in this release: CUDA tensors cannot take it yet";
+constexpr const char kNoCudaDsinks[] =
+    "the sinks' gradient (dsinks) has no CUDA kernel in this release: form it from out, dout and softmax_lse "
+    "(dsinks[h] = -sum over head h's rows of exp(sinks[h] - lse) * rowsum(dout * out); flare.ops.sink_gradient)";
 // What the CUDA backend does not take, named before anything runs; nullptr when it takes the call.
 const char* cuda_gap(const Problem& problem) {
   if (problem.pass == Pass::kForward && problem.block_table != nullptr) return kNoCudaPagedVarlen;
-  if (problem.sinks != nullptr) return kNoCudaSinks;
-  if (problem.dropout_p > 0.0f) return kNoCudaDropout;
+  if (problem.dsinks != nullptr) return kNoCudaDsinks;
   return nullptr;
 }
 flare_status dispatch(const Problem& problem, flare_status (*run)(const Problem&)) {

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "common/error.hpp"
+#include "common/philox.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/heuristics.hpp"
 #include "cuda/instantiations/dispatch.hpp"  // with CMake's flare_cuda_config.hpp: the units of this build
@@ -221,6 +222,16 @@ void fill_attn(const Problem& p, AttnParams* a) {
   a->window_right = clamp_window(p.score.window_right);
   a->alibi_slopes = p.score.alibi_slopes;
   a->alibi_batch_stride = p.score.alibi_batch_stride;
+  a->sinks = p.sinks;
+  a->dropout_p = p.dropout_p;
+  if (p.dropout_p > 0.0f) {
+    const philox::DropoutKey key = philox::dropout_key(p.dropout_seed, p.dropout_offset);
+    a->dropout_scale = static_cast<float>(1.0 / (1.0 - static_cast<double>(p.dropout_p)));
+    a->dropout_threshold = philox::dropout_threshold(p.dropout_p);
+    a->dropout_k0 = key.k0;
+    a->dropout_k1 = key.k1;
+    a->dropout_offset = key.offset;
+  }
 }
 
 // The sm80 backward's workspace for a planned call.

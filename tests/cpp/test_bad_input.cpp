@@ -153,16 +153,17 @@ TEST(BadInput, Sinks) {
   expect_rejected(k, call_kvcache, kInvalid, {"sinks.dtype is F64", "fp32"});
 }
 
-TEST(BadInput, SinksOnCudaAreUnsupported) {
-  // Checked before any CUDA work is looked at: the same answer with or without a CUDA backend.
-  for_fwd_entries([](FwdCase& c, auto call) {
-    Tensor sinks(FLARE_DTYPE_F32, {4});
+TEST(BadInput, DsinksOnCudaAreUnsupported) {
+  // The CUDA backward has no sinks-gradient kernel: said before any CUDA work is looked at, with or without a
+  // CUDA backend in the build.
+  for_bwd_entries([](BwdCase& c, auto call) {
+    Tensor sinks(FLARE_DTYPE_F32, {4}), dsinks(FLARE_DTYPE_F32, {4});
     c.params.sinks = sinks.view;
-    move_all({&c.params.q, &c.params.k, &c.params.v, &c.params.out, &c.params.softmax_lse, &c.params.cu_seqlens_q,
-              &c.params.cu_seqlens_k, &c.params.sinks}, kCuda0);
-    expect_rejected(c, call, FLARE_UNSUPPORTED, {"sinks", "CPU only"});
-    size_t bytes = 0;
-    expect_status(flare_fwd_workspace_size(&c.params, c.varlen, &bytes), FLARE_UNSUPPORTED, "sinks");
+    c.params.dsinks = dsinks.view;
+    move_all({&c.params.q, &c.params.k, &c.params.v, &c.params.out, &c.params.dout, &c.params.softmax_lse,
+              &c.params.dq, &c.params.dk, &c.params.dv, &c.params.cu_seqlens_q, &c.params.cu_seqlens_k,
+              &c.params.sinks, &c.params.dsinks}, kCuda0);
+    expect_rejected(c, call, FLARE_UNSUPPORTED, {"dsinks", "sink_gradient"});
   });
 }
 

@@ -184,6 +184,9 @@ TEST(CudaHeuristics, FallbacksSayWhy) {
   p = forward_call();
   p.seqused_k = kUsed;
   EXPECT_EQ(why(p), "seqused_k takes the sm80 path");
+  p = forward_call();
+  p.dropout_p = 0.1f;
+  EXPECT_EQ(why(p), "dropout takes the sm80 path");
   p = forward_call(192);
   p.headdim_v = 128;
   EXPECT_EQ(why(p), "headdim 192 with headdim_v 128: the sm90 forward takes equal head dims");

@@ -255,12 +255,6 @@ TEST(Dropout, BadArguments) {
   old.params.struct_size = offsetof(flare_fwd_params, dropout_p);
   old.params.dropout_p = 7.0f;
   EXPECT_EQ(old.run(), FLARE_OK) << flare_last_error();
-  // CUDA tensors: not in this release, said before any CUDA work.
-  FwdCase gpu;
-  gpu.params.dropout_p = 0.1f;
-  badinput::move_all({&gpu.params.q, &gpu.params.k, &gpu.params.v, &gpu.params.out, &gpu.params.softmax_lse},
-                     badinput::kCuda0);
-  badinput::expect_rejected(gpu, badinput::call_fwd, FLARE_UNSUPPORTED, {"dropout", "CPU only"});
   // flare_dropout_mask's own checks.
   uint8_t m[4];
   EXPECT_EQ(flare_dropout_mask(1.0f, 0, 0, 0, 1, 2, 2, m), FLARE_INVALID_ARGUMENT);

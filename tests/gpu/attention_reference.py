@@ -37,6 +37,7 @@ class AttnOptions:
     window: tuple = (-1, -1)
     softcap: float = 0.0
     alibi_slopes: Optional[torch.Tensor] = None  # fp32 (nheads) or (batch, nheads)
+    sinks: Optional[torch.Tensor] = None  # learnable sinks (nheads): exp(sink) joins each softmax denominator
 
     def scale_for(self, headdim):
         return 1.0 / math.sqrt(headdim) if self.softmax_scale is None else self.softmax_scale
@@ -89,7 +90,11 @@ def dense_attention(q, k, v, opts: AttnOptions, dout=None, round_dtype=None, rou
     if round_scores:
         s = rnd(s)
     s = s.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # -inf for a row with no visible key
+    if opts.sinks is None:
+        lse = torch.logsumexp(s, dim=-1)  # -inf for a row with no visible key
+    else:  # the sink's term joins the denominator: a row with no visible key has lse = sink
+        sink = opts.sinks.to(device=q.device, dtype=compute).view(1, h, 1, 1).expand(b, h, sq, 1)
+        lse = torch.logsumexp(torch.cat([s, sink], dim=-1), dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
     p = torch.where(torch.isfinite(lse).unsqueeze(-1), p, torch.zeros((), dtype=compute, device=q.device))
     del s
@@ -115,6 +120,9 @@ def dense_attention(q, k, v, opts: AttnOptions, dout=None, round_dtype=None, rou
     dk = dk.view(b, sk, hk, group, d).sum(3)
     dv = dv.view(b, sk, hk, group, dv.shape[-1]).sum(3)
     result.update(dq=rnd(dq), dk=rnd(dk), dv=rnd(dv))
+    if opts.sinks is not None:  # d out / d sink = -exp(sink - lse) out
+        share = torch.exp(opts.sinks.to(device=q.device, dtype=compute).view(1, h, 1) - lse)
+        result["dsinks"] = -(share * d_row.squeeze(-1)).sum(dim=(0, 2))
     return result
 
 
@@ -133,6 +141,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, opts: AttnOptions, seq
         grads = {"dq": torch.zeros(q.shape, dtype=compute, device=q.device),
                  "dk": torch.zeros(k.shape, dtype=compute, device=q.device),
                  "dv": torch.zeros(v.shape, dtype=compute, device=q.device)}
+        if opts.sinks is not None:
+            grads["dsinks"] = torch.zeros(h, dtype=compute, device=q.device)
     for b in range(len(cu_q) - 1):
         q0, q1 = cu_q[b], cu_q[b + 1]
         k0, k1 = cu_k[b], cu_k[b + 1]
@@ -143,8 +153,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, opts: AttnOptions, seq
         slopes = opts.alibi_slopes
         if slopes is not None and slopes.dim() == 2:
             slopes = slopes[b]
-        seq_opts = AttnOptions(opts.softmax_scale, opts.causal, opts.window, opts.softcap, slopes)
-        if k1 == k0:  # no keys: every row fully masked (out 0, lse -inf, no gradient)
+        seq_opts = AttnOptions(opts.softmax_scale, opts.causal, opts.window, opts.softcap, slopes, opts.sinks)
+        if k1 == k0:  # no keys: every row fully masked (out 0, lse -inf or the sink, no gradient)
+            if opts.sinks is not None:
+                lse[:, q0:q1] = opts.sinks.to(device=q.device, dtype=compute).view(h, 1)
             continue
         r = dense_attention(q[q0:q1].unsqueeze(0), k[k0:k1].unsqueeze(0), v[k0:k1].unsqueeze(0), seq_opts,
                             None if dout is None else dout[q0:q1].unsqueeze(0), round_dtype, round_scores,
@@ -155,6 +167,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, opts: AttnOptions, seq
             grads["dq"][q0:q1] = r["dq"][0]
             grads["dk"][k0:k1] = r["dk"][0]
             grads["dv"][k0:k1] = r["dv"][0]
+            if "dsinks" in grads:
+                grads["dsinks"] += r["dsinks"]
     result = {"out": out, "lse": lse}
     if grads is not None:
         result.update(grads)

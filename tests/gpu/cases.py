@@ -62,6 +62,7 @@ class Case:
     seqlens_q: Optional[list] = None
     seqlens_k: Optional[list] = None
     seqused_k: Optional[list] = None
+    sinks: bool = False  # learnable sinks (s_aux), one fp32 logit per query head, with their gradient
 
     @property
     def dv(self):
@@ -89,6 +90,8 @@ class Case:
             parts.append(f"softcap{self.softcap:g}")
         if self.alibi:
             parts.append(f"alibi-{self.alibi}")
+        if self.sinks:
+            parts.append("sinks")
         if self.softmax_scale is not None:
             parts.append(f"scale{self.softmax_scale:g}")
         if self.deterministic:
@@ -119,13 +122,14 @@ def cu_seqlens(lengths, device):
     return torch.tensor(cu, dtype=torch.int32, device=device)
 
 
-def options_of(case, slopes):
-    return AttnOptions(case.softmax_scale, case.causal, tuple(case.window), case.softcap, slopes)
+def options_of(case, slopes, sinks=None):
+    return AttnOptions(case.softmax_scale, case.causal, tuple(case.window), case.softcap, slopes,
+                       None if sinks is None else sinks.detach())
 
 
-def interface_kwargs(case, slopes):
+def interface_kwargs(case, slopes, sinks=None):
     return dict(softmax_scale=case.softmax_scale, causal=case.causal, window_size=tuple(case.window),
-                softcap=case.softcap, alibi_slopes=slopes, deterministic=case.deterministic)
+                softcap=case.softcap, alibi_slopes=slopes, deterministic=case.deterministic, s_aux=sinks)
 
 
 def make_inputs(case, device=None):
@@ -150,6 +154,8 @@ def make_inputs(case, device=None):
         "v": randn(*v_shape, dtype=c.dtype, device=device, grad=True),
         "dout": randn(*out_shape, dtype=c.dtype, device=device),
         "slopes": alibi_slopes(c.alibi, batch, c.nheads, device) if c.alibi else None,
+        "sinks": (torch.empty(c.nheads, device=device).uniform_(-1.0, 3.0).requires_grad_(True)
+                  if c.sinks else None),
     }
     if c.varlen:
         inputs["cu_seqlens_q"] = cu_seqlens(c.seqlens_q, device)
@@ -163,9 +169,10 @@ def run_flare(case, inputs, backward=True):
     """flare's forward (and backward) through the flash_attn-compatible functions: (out, lse, (dq, dk, dv))."""
     import flare
     q, k, v = inputs["q"], inputs["k"], inputs["v"]
-    for t in (q, k, v):
+    sinks = inputs.get("sinks")
+    for t in (q, k, v) + ((sinks,) if sinks is not None else ()):
         t.grad = None
-    kwargs = interface_kwargs(case, inputs["slopes"])
+    kwargs = interface_kwargs(case, inputs["slopes"], sinks)
     if case.varlen:
         out, lse = flare.flash_attn_varlen_func(
             q, k, v, inputs["cu_seqlens_q"], inputs["cu_seqlens_k"], max(max(case.seqlens_q), 1),
@@ -175,12 +182,12 @@ def run_flare(case, inputs, backward=True):
     grads = None
     if backward:
         out.backward(inputs["dout"])
-        grads = (q.grad, k.grad, v.grad)
+        grads = (q.grad, k.grad, v.grad) + ((sinks.grad,) if sinks is not None else ())
     return out, lse, grads
 
 
 def reference(case, inputs, round_dtype=None, backward=True):
-    opts = options_of(case, inputs["slopes"])
+    opts = options_of(case, inputs["slopes"], inputs.get("sinks"))
     q, k, v = (inputs[n].detach() for n in ("q", "k", "v"))
     dout = inputs["dout"] if backward else None
     round_scores = round_dtype is not None and case.softcap > 0
@@ -221,6 +228,8 @@ def check_case(case, backward=True, device=None):
     if backward:
         for name, got in zip(("dq", "dk", "dv"), grads):
             check_close(name, got, ref[name], naive[name], case.dtype, context)
+        if case.sinks:  # fp32, formed from the stored out: the same-dtype rule against the rounded-out model
+            check_close("dsinks", grads[3], ref["dsinks"], naive["dsinks"], case.dtype, context)
     return inputs, (out, lse, grads)
 
 

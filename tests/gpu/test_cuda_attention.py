@@ -232,7 +232,59 @@ def test_forward_only_inference_mode():
     check_close("out", out, ref["out"], naive["out"], case.dtype)
 
 
-def test_dropout_is_refused():
-    q = torch.randn(1, 8, 2, 64, device=DEVICE).to(torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        flare.flash_attn_func(q, q, q, dropout_p=0.1)
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_sinks(dtype, causal, varlen):
+    # Learnable sinks: the forward epilogues fold them in (out, lse); dq/dk/dv come through the lse and dsinks
+    # from out and lse (flare.ops.sink_gradient). Rows without keys (29 queries on 13 keys, causal) get the sink.
+    for index, (sq, sk) in enumerate(FEATURE_SEQLENS):
+        nheads, nheads_k = heads_cycle(index)
+        case = Case(dtype=dtype, batch=2, seqlen_q=sq, seqlen_k=sk, nheads=nheads, nheads_k=nheads_k,
+                    headdim=FEATURE_HEADDIMS[index % len(FEATURE_HEADDIMS)], causal=causal, sinks=True)
+        if varlen:
+            case = case.with_(seqlens_q=[sq, 0, max(sq // 2, 1)], seqlens_k=[sk, 5, sk])
+        check_case(case)
+
+
+def _dropout_fwd(q, k, v, causal, p, seed, offset):
+    from flare import ops
+    return ops.fwd(q, k, v, None, None, None, 0, 0, None, 0.0, causal, -1, -1, 0.0, False, "auto", None, None,
+                   p, seed, offset)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_dropout_mask_is_the_cpu_mask(dtype):
+    # Values = the identity (one column per key): out[i][j] = P_ij z_ij, zero exactly where dropped. The device's
+    # zeros must be flare_dropout_mask's (the CPU backend's) bit for bit, for any seed and offset.
+    from flare import ops
+    b, sq, sk, h, p = 2, 37, 70, 3, 0.3
+    seed, offset = -0x21524110DEADBEEF, 2**33 + 7
+    q = torch.randn(b, sq, h, 64, device=DEVICE).to(dtype)
+    k = torch.randn(b, sk, 1, 64, device=DEVICE).to(dtype)
+    eye = torch.eye(sk, device=DEVICE).to(dtype).view(1, sk, 1, sk).expand(b, sk, 1, sk).contiguous()
+    out, _ = _dropout_fwd(q, k, eye, False, p, seed, offset)
+    kept = (out != 0).permute(0, 2, 1, 3).cpu()
+    for i in range(b):
+        assert torch.equal(kept[i], ops.dropout_mask(p, seed, offset, i, h, sq, sk))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_dropout_matches_the_cpu_backend(dtype, causal):
+    # Same seed and offset on the device and on the CPU: the same mask, so the same outputs and gradients up to
+    # each backend's rounding (the fp32 CPU result on the rounded inputs is the reference).
+    b, sq, sk, h, hk, d, p = 2, 113 if not SMALL else 13, 203 if not SMALL else 29, 6, 2, 64, 0.2
+    seed, offset = 1234567, 89
+    q, k, v = (torch.randn(b, n, heads, d, device=DEVICE).to(dtype).requires_grad_(True)
+               for n, heads in ((sq, h), (sk, hk), (sk, hk)))
+    dout = torch.randn(b, sq, h, d, device=DEVICE).to(dtype)
+    out, _ = _dropout_fwd(q, k, v, causal, p, seed, offset)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    cq, ck, cv = (t.detach().cpu().float().requires_grad_(True) for t in (q, k, v))
+    ref, _ = _dropout_fwd(cq, ck, cv, causal, p, seed, offset)
+    ref_grads = torch.autograd.grad(ref, (cq, ck, cv), dout.cpu().float())
+    atol, rtol = (2e-2, 2e-2) if dtype == torch.bfloat16 else (4e-3, 4e-3)
+    torch.testing.assert_close(out.cpu().float(), ref, atol=atol, rtol=rtol)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.cpu().float(), r, atol=atol * max(1.0, r.abs().max().item()), rtol=rtol)

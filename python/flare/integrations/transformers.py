@@ -16,7 +16,7 @@ three routes, as FA2's does:
 GQA/MQA key/value heads go in as they are (no repeat_kv); with a cache, seqlen_q < seqlen_k and causal is
 aligned bottom-right. sliding_window w becomes window_size (w - 1, w - 1), softcap is passed on, and so are
 s_aux (GPT-OSS's learnable attention sinks, differentiable) and the attention dropout models ask for in
-training (`dropout`, drawn from torch's default generator; CPU tensors in this release).
+training (`dropout`, drawn from torch's default generator).
 
 Under torch.compile nothing is read on the host: a padding mask is passed as each row's run of valid keys
 (cu_seqlens_k + seqused_k), so the static-cache compiled generate() runs with fullgraph=True; the mask

@@ -39,6 +39,17 @@ struct AttnParams {
   int window_right = -1;
   const float* alibi_slopes = nullptr;
   int64_t alibi_batch_stride = 0;
+  // Learnable sinks (flare.h): one fp32 logit per query head, folded into each finished row (forward
+  // epilogues, policy::fold_sink); null when the call has none. The backward needs nothing from them: the
+  // forward's lse counts them.
+  const float* sinks = nullptr;
+  // Dropout (flare.h; common/philox.hpp): P_ij kept with probability 1 - p and scaled by dropout_scale, dropped
+  // when word j % 4 of the element's Philox draw is below dropout_threshold. dropout_p 0: off. The sm80
+  // forward and backward take it; the sm90 forward leaves such calls to them.
+  float dropout_p = 0.f;
+  float dropout_scale = 1.f;
+  uint32_t dropout_threshold = 0;
+  uint32_t dropout_k0 = 0, dropout_k1 = 0, dropout_offset = 0;  // philox::DropoutKey
 
   // Query rows per forward CTA: 0 = by the sequence lengths (sm80::forward_shape); 64 or 128 forces that tile
   // (tests, through FLARE_CUDA_FWD_ROWS: each shape must be checked whatever the lengths pick).

@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "common/attention_policy.hpp"
+#include "common/philox.hpp"
 #include "cuda/common/tile_utils.cuh"
 
 namespace flare::cuda {
@@ -32,6 +33,29 @@ __device__ __forceinline__ float tanh_approx(float u) {
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(e + 1.f));
   return 1.f - 2.f * r;
 }
+
+// Dropout's factor of (query row i, key col j) of the call's (sequence, head) stream (b * nheads + h): the
+// params' dropout_scale where kept, 0 where dropped (flare.h's mapping; one Philox draw per element, of
+// which the element uses word j % 4).
+struct DropoutStream {
+  philox::DropoutKey key;
+  uint32_t stream, threshold;
+  float scale;
+
+  __device__ __forceinline__ DropoutStream(AttnParams const& p, int b, int h)
+      : key{p.dropout_k0, p.dropout_k1, p.dropout_offset},
+        stream(static_cast<uint32_t>(b) * static_cast<uint32_t>(p.nheads) + static_cast<uint32_t>(h)),
+        threshold(p.dropout_threshold),
+        scale(p.dropout_scale) {}
+
+  __device__ __forceinline__ float factor(int i, int j) const {
+    const philox::Words w = philox::dropout_words(key, stream, static_cast<uint32_t>(i), static_cast<uint32_t>(j) >> 2);
+    // A select, not w.w[j & 3]: an index known only at run time would put the words in local memory.
+    const int x = j & 3;
+    const uint32_t word = x == 0 ? w.w[0] : x == 1 ? w.w[1] : x == 2 ? w.w[2] : w.w[3];
+    return word >= threshold ? scale : 0.f;
+  }
+};
 
 __device__ __forceinline__ int clamp_to_int(int64_t x) {
   return static_cast<int>(max<int64_t>(min<int64_t>(x, INT32_MAX), INT32_MIN));

@@ -278,6 +278,8 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
 
     const ScoreShape shape(p, b, h, seq.len_q, seq.len_k);
     const float f = shape.log2_factor;
+    const bool dropping = p.dropout_p > 0.f;
+    const DropoutStream dropout(p, b, h);
     float* dq_accum = p.dq_accum +
                       ((static_cast<int64_t>(p.deterministic ? blockIdx.x : 0) * p.nheads + h) * p.q_rows + q_row0) *
                           kHeadDim;
@@ -338,10 +340,15 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
       // (docs/tuning-sm80.md, "Backward: the passes around the main kernel").
       Tensor s = rowcol(acc_s);
       Tensor dp = rowcol(acc_dp);
+      // With dropout (factor z of the element): P z for dV, and dS = P (dP z - D).
       const auto p_and_ds = [&](int r, int c, float x, float dtanh) {
         const float pr = exp2_approx(fmaf(x, f, -lse2[r]));
-        s(r, c) = pr;
-        dp(r, c) = pr * (dp(r, c) - dd[r]) * dtanh;
+        float z = 1.f;
+        if (dropping) {
+          z = dropout.factor(m0 + coords.row_base + get<0>(coord_rc(r, c)), n0 + coords.col_base + get<1>(coord_rc(r, c)));
+        }
+        s(r, c) = pr * z;
+        dp(r, c) = pr * (dp(r, c) * z - dd[r]) * dtanh;
       };
       if constexpr (kShaped) {
         shape_scores_each(s, coord_rc, m0 + coords.row_base, n0 + coords.col_base, shape, is_masked, p_and_ds);

@@ -150,6 +150,8 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
     row_sum[r] = 0.f;
   }
   const float f = shape.log2_factor;
+  const bool dropping = p.dropout_p > 0.f;
+  const DropoutStream dropout(p, b, h);
   if constexpr (!T::kEarlyCopies) prologue();
 
   // One key tile; `masked`: whether it takes the mask, a bool or (T::kMaskLoopApart) a compile-time constant.
@@ -215,6 +217,17 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
       }
       row_sum[r] = row_sum[r] * correction[r] + sum;
     }
+    if (dropping) {
+      // Dropout: P times its keep factors after the sum took it whole (lse stays undropped).
+      CUTE_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s); ++c) {
+          s(r, c) *= dropout.factor(m0 + coords.row_base + get<0>(coord_rc(r, c)),
+                                    n0 + coords.col_base + get<1>(coord_rc(r, c)));
+        }
+      }
+    }
     if (!T::kSkipSettledRescale || __any_sync(0xffffffffu, moved)) {
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
@@ -240,18 +253,19 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
     for (int n = n_last - 1; n >= n_first; --n) visit(n, !seen_by_all.covers(n * kBlockN, kBlockN));
   }
 
-  // ---- epilogue: normalise, write lse and out (through shared memory, 16-byte stores)
+  // ---- epilogue: normalise (the head's sink folded in), write lse and out (through shared memory, 16-byte stores)
   float* lse = p.lse != nullptr ? p.lse + seq.lse_offset(p, b, h) : nullptr;
+  const float sink = p.sinks != nullptr ? p.sinks[h] : -INFINITY;
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     const float sum = quad_sum(row_sum[r]);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const policy::SinkFold<float> row_end =
+        policy::fold_sink(sum > 0.f ? (row_max[r] * f + __log2f(sum)) * kLn2 : -INFINITY, sink);
+    const float inv = sum > 0.f ? row_end.factor / sum : 0.f;
     CUTE_UNROLL
     for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= inv;
     const int row = m0 + coords.row_base + get<0>(coord_rc(r, 0));
-    if (lse != nullptr && coords.col_base + get<1>(coord_rc(r, 0)) == 0 && row < seq.len_q) {
-      lse[row] = sum > 0.f ? (row_max[r] * f + __log2f(sum)) * kLn2 : -INFINITY;
-    }
+    if (lse != nullptr && coords.col_base + get<1>(coord_rc(r, 0)) == 0 && row < seq.len_q) lse[row] = row_end.lse;
   }
   Tensor o_elem = convert_fragment<Element>(acc_o);
   Tensor sO = make_tensor(sQ.data(), typename T::SmemLayoutQ{});

@@ -279,16 +279,17 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
 
   // ---- epilogue: normalise, write lse, stage O in shared memory, one TMA store
   float* lse = p.lse != nullptr ? p.lse + b * p.lse_batch_stride + h * p.lse_head_stride : nullptr;
+  const float sink = p.sinks != nullptr ? p.sinks[h] : -INFINITY;  // the head's sink, folded into each row
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     const float sum = quad_sum(row_sum[r]);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const policy::SinkFold<float> row_end =
+        policy::fold_sink(sum > 0.f ? (row_max[r] * f + __log2f(sum)) * kLn2 : -INFINITY, sink);
+    const float inv = sum > 0.f ? row_end.factor / sum : 0.f;
     CUTE_UNROLL
     for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= inv;
     const int row = m0 + row_base + get<0>(coord_rc(r, 0));
-    if (lse != nullptr && col_base + get<1>(coord_rc(r, 0)) == 0 && row < p.seqlen_q) {
-      lse[row] = sum > 0.f ? (row_max[r] * f + __log2f(sum)) * kLn2 : -INFINITY;
-    }
+    if (lse != nullptr && col_base + get<1>(coord_rc(r, 0)) == 0 && row < p.seqlen_q) lse[row] = row_end.lse;
   }
   if (!any_keys) {
     // No row of the tile sees a key: O is zeros, written straight to global memory (16 bytes a store). The
