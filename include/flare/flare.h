@@ -188,6 +188,9 @@ typedef enum flare_arch_path {
  *                cu_seqlens_k[b]; one of the two is required; cu_seqlens_k (optional) then starts at 0 and
  *                is nondecreasing but its end is free. Every sequence fits in max_blocks * block_size keys
  *                and the blocks holding its keys are in 0..num_blocks-1. Forward only (no backward).
+ * Head dims (every entry point): headdim (q, k) in 1..576 and headdim_v (v, out) in 1..512, in any
+ *                combination (DeepSeek MLA: 576 / 512); outside, FLARE_INVALID_ARGUMENT. The CPU runs them
+ *                all; on a CUDA device a head dim past 256 is FLARE_UNSUPPORTED (no CUDA kernel is that wide).
  * q, k, v and out share one dtype (fp32, fp16, bf16; fp64 on the CPU) and one device. */
 typedef struct flare_fwd_params {
   size_t struct_size;
@@ -264,7 +267,7 @@ FLARE_API flare_status flare_bwd_workspace_size(const flare_bwd_params* params, 
 /* KV-cache attention (inference)                                                                     */
 /* ------------------------------------------------------------------------------------------------ */
 
-/* q (batch, seqlen_q, nheads, headdim).
+/* q (batch, seqlen_q, nheads, headdim); head dims as for flare_fwd (1..576, headdim_v 1..512).
  * Cache, dense: k_cache (batch_cache, seqlen_cache, nheads_k, headdim), v_cache (..., headdim_v).
  * Cache, paged: k_cache (num_blocks, block_size, nheads_k, headdim), block_table int32 (batch, max_blocks):
  *               key position j of sequence b lives in block block_table[b][j / block_size], row j % block_size.

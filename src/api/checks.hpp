@@ -108,8 +108,12 @@ flare_arch_path check_arch_path(int32_t arch_path);
 
 // Head counts: both >= 1 and nheads a multiple of nheads_k (k_name: "k" or "k_cache").
 void check_heads(int64_t nheads, int64_t nheads_k, const char* k_name);
-// A head dim (what: "q.shape[3] (headdim)") in 1..256.
-void check_head_dim(int64_t value, const char* what);
+// A call's head dims (what: "q.shape[3] (headdim)", "v.shape[3] (headdim_v)") on q's device. The library's
+// rule, INVALID_ARGUMENT past it: headdim in 1..576 and headdim_v in 1..512 (the CPU backend's range,
+// cpu::kMaxHeaddim / kMaxHeaddimV). On CUDA, a head dim wider than every CUDA kernel (kCudaMaxHeaddim) is
+// FLARE_UNSUPPORTED: the call is valid, but only the CPU backend runs it.
+void check_head_dims(int64_t headdim, const char* headdim_what, int64_t headdim_v, const char* headdim_v_what,
+                     const flare_device& device);
 
 // q's dtype is one the device can compute with: F32/F16/BF16 everywhere, F64 on the CPU, E4M3 on CUDA in
 // forward passes (`allow_fp8`). Unknown or index dtypes are invalid; valid ones this device or pass cannot

@@ -242,8 +242,8 @@ void check_attention(const AttnArgs& a, Problem* p) {
   const int64_t nheads_k = a.k.shape[ok + 1];
   const int64_t headdim_v = a.v.shape[ok + 2];
   check_heads(nheads, nheads_k, "k");
-  check_head_dim(headdim, a.varlen ? "q.shape[2] (headdim)" : "q.shape[3] (headdim)");
-  check_head_dim(headdim_v, a.varlen ? "v.shape[2] (headdim_v)" : "v.shape[3] (headdim_v)");
+  check_head_dims(headdim, a.varlen ? "q.shape[2] (headdim)" : "q.shape[3] (headdim)", headdim_v,
+                  a.varlen ? "v.shape[2] (headdim_v)" : "v.shape[3] (headdim_v)", a.q.device);
   require_int32(nheads, "the number of q heads");
 
   if (a.varlen) {

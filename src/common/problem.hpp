@@ -36,8 +36,8 @@ struct Problem {
   int64_t batch = 0;
   int64_t nheads = 0;     // query heads
   int64_t nheads_k = 0;   // key/value heads; nheads % nheads_k == 0
-  int64_t headdim = 0;    // of q and k, 1..256
-  int64_t headdim_v = 0;  // of v and out, 1..256
+  int64_t headdim = 0;    // of q and k, 1..576 (CUDA: up to its widest kernel, 256)
+  int64_t headdim_v = 0;  // of v and out, 1..512 (likewise)
 
   // Dense: every sequence has these lengths. Varlen: the maxima over sequences (an upper bound).
   int64_t seqlen_q = 0;

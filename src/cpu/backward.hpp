@@ -18,6 +18,7 @@
 #pragma once
 
 #include "cpu/arena.hpp"
+#include "cpu/cpu_backend.hpp"
 #include "cpu/dropout.hpp"
 #include "cpu/groups.hpp"
 #include "cpu/score_tile.hpp"
@@ -75,7 +76,9 @@ struct BackwardScratch {
     threads = a.take<PerThread>(nt);
     for (int t = 0; t < nt; ++t) {
       const int64_t tile = Tiles::kBq * Tiles::kBk;
-      PerThread pt{pack ? &pack[t < packs ? t : 0] : nullptr, a.take<T>(nq * ld), a.take<T>(tile),
+      // The P tile doubles as the stage of W value rows (pack_backward_keys) and of one output row
+      // (pack_backward_queries): at headdim_v 512 on AVX-512 the stage is exactly the tile's 8192 floats.
+      PerThread pt{pack ? &pack[t < packs ? t : 0] : nullptr, a.take<T>(nq * ld), a.take<T>(smax(tile, W * dvp)),
                    a.take<T>(tile), a.take<T>(tile), a.take<T>(Tiles::kBk)};
       if (threads) threads[t] = pt;
     }
@@ -282,8 +285,7 @@ struct FmaBackward {
   // dk/dv row j; keys past seqused_k took no part: their gradients are 0.
   static void write_dkdv(const Problem& p, const Sequence& seq, const RowPtr& dkrows, const RowPtr& dvrows,
                          int64_t j, const Scratch& ws, int tid) {
-    constexpr int64_t kMaxHeaddim = 256;
-    static constexpr T kZeros[kMaxHeaddim] = {};
+    static constexpr T kZeros[kMaxHeaddim] = {};  // wide enough for headdim and headdim_v (cpu_backend.hpp)
     const auto& pk = *ws.threads[tid].pack;
     const bool used = j < seq.seqlen_k;
     store_row<T>(used ? pk.dk + j * ws.ld : kZeros, T(1), dkrows.row(j), p.dtype, p.headdim);

@@ -152,7 +152,7 @@ struct AmxBackward {
 
   template <bool Shared>
   static void write_dq(const Problem& p, const RowPtr& dqrows, int64_t i, const Scratch& ws, int tid, int nt) {
-    float row[kMaxHeaddimAmx];
+    float row[kMaxHeaddim];  // headdim (cpu_backend.hpp's bound)
     const float* first = ws.threads[Shared ? 0 : tid].dqt;
     for (int64_t c = 0; c < p.headdim; ++c) row[c] = first[c * ws.nq + i];
     if constexpr (Shared)
@@ -163,14 +163,12 @@ struct AmxBackward {
 
   static void write_dkdv(const Problem& p, const Sequence& seq, const RowPtr& dkrows, const RowPtr& dvrows,
                          int64_t j, const Scratch& ws, int tid) {
-    static constexpr float kZeros[kMaxHeaddimAmx] = {};
+    static constexpr float kZeros[kMaxHeaddim] = {};  // wide enough for headdim and headdim_v
     const auto& pk = *ws.threads[tid].pack;
     const bool used = j < seq.seqlen_k;
     store_row<float>(used ? pk.dk + j * ws.dpad : kZeros, static_cast<float>(p.score.scale), dkrows.row(j), p.dtype, p.headdim);
     store_row<float>(used ? pk.dv + j * ws.dvpad : kZeros, 1.0f, dvrows.row(j), p.dtype, p.headdim_v);
   }
-
-  static constexpr int64_t kMaxHeaddimAmx = 256;
 };
 
 }  // namespace flare::cpu::FLARE_ISA

@@ -25,7 +25,6 @@ struct DotBackward {
   // rows are then read once per two blocks. At seqlen 8192 a head's query packs outgrow the caches; there
   // this measured 12-20% faster on one core (hd64 and hd128, non-causal), elsewhere the same; 4 was no better.
   static constexpr int64_t kKeyBlocksPerStep = 2;
-  static constexpr int64_t kMaxHeaddim = 256;
 
   struct Scratch {
     int64_t dpairs = 0, dvpairs = 0;  // head-dim pairs: reductions of Sᵀ and dPᵀ, and the words of K, V rows
@@ -193,7 +192,7 @@ struct DotBackward {
   // dk/dv row j (dK carries the scale); keys past seqused_k took no part: their gradients are 0.
   static void write_dkdv(const Problem& p, const Sequence& seq, const RowPtr& dkrows, const RowPtr& dvrows,
                          int64_t j, const Scratch& ws, int tid) {
-    static constexpr float kZeros[kMaxHeaddim] = {};
+    static constexpr float kZeros[kMaxHeaddim] = {};  // wide enough for headdim and headdim_v (cpu_backend.hpp)
     const auto& pk = *ws.threads[tid].pack;
     const bool used = j < seq.seqlen_k;
     store_row<float>(used ? pk.dk + j * ws.ldd : kZeros, static_cast<float>(p.score.scale), dkrows.row(j), p.dtype,

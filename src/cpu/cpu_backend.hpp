@@ -11,6 +11,15 @@
 
 namespace flare::cpu {
 
+// The head dims the CPU backend takes (src/api checks them): headdim (q, k) in 1..kMaxHeaddim and headdim_v
+// (v, out) in 1..kMaxHeaddimV, in any combination. 512 covers the widest heads of dense models; 576 / 512 is
+// DeepSeek's MLA in its absorbed form (q and k: the 512-wide latent plus 64 rotary dims; v: the latent). Every
+// engine sizes its tiles and packs by the call's head dims; only a few fixed rows (a zero row for unused keys'
+// gradients, a row held in fp64) are sized by these bounds.
+inline constexpr int64_t kMaxHeaddim = 576;
+inline constexpr int64_t kMaxHeaddimV = 512;
+static_assert(kMaxHeaddimV <= kMaxHeaddim, "rows sized kMaxHeaddim hold a head of either width");
+
 flare_status forward(const detail::Problem& p);
 flare_status backward(const detail::Problem& p);
 // Appends k_new/v_new (rotated if asked) into the cache, then attends q (rotated if asked) to it.

@@ -65,11 +65,13 @@ struct ForwardScratch {
       T* v = t < packs ? a.take<T>(keys * dvp) : threads ? threads[0].v : nullptr;
       uint8_t* v_flags = t < packs ? a.take<uint8_t>(keys) : threads ? threads[0].v_flags : nullptr;
       constexpr int64_t rows = Tiles::kBq * Tiles::kTilesPerVisit;
+      // The scores tile doubles as pack_key_block's stage of W key rows: wider heads than kBq * kBk / W
+      // (1024 floats on AVX-512) would not fit the tile alone.
       PerThread pt{kt,
                    v,
                    v_flags,
                    a.take<T>(rows * dp),
-                   a.take<T>(Tiles::kBq * Tiles::kBk),
+                   a.take<T>(smax(Tiles::kBq * Tiles::kBk, W * dp)),
                    a.take<T>(Tiles::kBq * Tiles::kBk),
                    a.take<T>(rows * dvp),
                    a.take<T>(rows),

@@ -30,7 +30,7 @@ inline bool use_private_groups(const Problem& p, int nt) {
   const Lengths most = longest_sequence(p);
   const int64_t rows = most.keys + (p.pass == Pass::kBackward ? most.queries : 0);
   const int64_t element = p.dtype == FLARE_DTYPE_F64 ? 8 : 4;  // the compute type, at most
-  // rows < 2^32, head dims <= 256, nt <= a few thousand: no overflow.
+  // rows < 2^32, headdim + headdim_v <= 576 + 512, nt <= a few thousand: no overflow.
   return rows * (p.headdim + p.headdim_v) * element * nt <= kPrivatePacksBudget;
 }
 

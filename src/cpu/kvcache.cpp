@@ -14,8 +14,6 @@ namespace {
 using namespace kvcache_prep;
 using detail::Problem;
 
-constexpr int64_t kMaxHeaddim = 256;
-
 // Rotates x (headdim values) in place by rotary row `pos`: halves (i, i + rd/2) or interleaved pairs.
 // Computed in fp64 so that every storage dtype, fp64 included, is rounded once.
 void rotate(const Problem& p, double* x, int64_t pos) {

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "cpu/cpu_backend.hpp"
 #include "cpu/sequences.hpp"
 
 namespace flare::cpu::FLARE_ISA {
@@ -88,7 +89,7 @@ inline void add_seen_nonfinite(const Problem& p, const Sequence& seq, int64_t h,
   if (!any) return;
   const RowPtr key_row = key_rows(p, operand, seq, h / (p.nheads / p.nheads_k));
   const policy::WindowMask mask = seq.mask(p);
-  double x[256];  // head dims are at most 256
+  double x[kMaxHeaddim];  // dim is headdim or headdim_v: at most kMaxHeaddim (cpu_backend.hpp)
   for (int64_t r = 0; r < rows; ++r) {
     const policy::KeyRange keys = mask.keys_of(i0 + r);
     const int64_t first = smax(smax<int64_t>(keys.first, 0), j0);

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <limits>
 #include <string>
+#include <tuple>
 
 #include "bad_input_cases.hpp"
 #include "cpu/cpu_backend.hpp"
@@ -370,15 +371,24 @@ TEST(BadInput, HeadsNotAMultiple) {
 }
 
 TEST(BadInput, HeadDimOutOfRange) {
+  // headdim (q, k) in 1..576, headdim_v (v, out) in 1..512, in any combination.
   for (bool varlen : {false, true}) {
     Dims big;
-    big.headdim = 257;
+    big.headdim = 577;
     FwdCase c(varlen, big);
-    expect_rejected(c, varlen ? call_fwd_varlen : call_fwd, kInvalid, {"(headdim) is 257", "1..256"});
+    expect_rejected(c, varlen ? call_fwd_varlen : call_fwd, kInvalid,
+                    {"(headdim) is 577", "headdim (q, k) must be in 1..576", "headdim_v (v, out) in 1..512"});
+    BwdCase bc(varlen, big);
+    expect_rejected(bc, varlen ? call_bwd_varlen : call_bwd, kInvalid, {"(headdim) is 577", "1..576"});
     Dims big_v;
-    big_v.headdim_v = 300;
+    big_v.headdim_v = 513;
     BwdCase b(varlen, big_v);
-    expect_rejected(b, varlen ? call_bwd_varlen : call_bwd, kInvalid, {"(headdim_v) is 300"});
+    expect_rejected(b, varlen ? call_bwd_varlen : call_bwd, kInvalid, {"(headdim_v) is 513", "1..512"});
+    Dims mla_v;  // 576 is a q/k width only
+    mla_v.headdim = 576;
+    mla_v.headdim_v = 576;
+    FwdCase m(varlen, mla_v);
+    expect_rejected(m, varlen ? call_fwd_varlen : call_fwd, kInvalid, {"(headdim_v) is 576", "1..512"});
     Dims zero;
     zero.headdim = 0;
     FwdCase z(varlen, zero);
@@ -499,6 +509,39 @@ TEST(BadInput, CudaTensorsWithoutCudaBackend) {
     c.params.v.shape[1] = 1;
     expect_rejected(c, call, kInvalid, {"v has shape"});
   });
+}
+
+// Head dims the CPU backend takes but no CUDA kernel does (past 256) are UNSUPPORTED on a CUDA device, in any
+// build: validation refuses them before a backend is picked, so no CUDA kernel sees them. Past the library's
+// range they stay INVALID_ARGUMENT there too.
+TEST(BadInput, WideHeadDimsOnCuda) {
+  for (bool varlen : {false, true}) {
+    for (auto [d, dv, bad] : {std::tuple{320, 64, "(headdim) is 320 on cuda:0"},
+                              std::tuple{64, 512, "(headdim_v) is 512 on cuda:0"},
+                              std::tuple{576, 512, "(headdim) is 576 on cuda:0"}}) {
+      Dims dims;
+      dims.headdim = d;
+      dims.headdim_v = dv;
+      FwdCase c(varlen, dims);
+      move_all({&c.params.q, &c.params.k, &c.params.v, &c.params.out, &c.params.softmax_lse,
+                &c.params.cu_seqlens_q, &c.params.cu_seqlens_k}, kCuda0);
+      expect_rejected(c, varlen ? call_fwd_varlen : call_fwd, FLARE_UNSUPPORTED,
+                      {bad, "the CUDA kernels take head dims up to 256", "run on the CPU"});
+      size_t bytes = 0;
+      expect_status(flare_fwd_workspace_size(&c.params, varlen, &bytes), FLARE_UNSUPPORTED, bad);
+      BwdCase b(varlen, dims);
+      move_all({&b.params.q, &b.params.k, &b.params.v, &b.params.out, &b.params.dout, &b.params.softmax_lse,
+                &b.params.dq, &b.params.dk, &b.params.dv, &b.params.cu_seqlens_q, &b.params.cu_seqlens_k},
+               kCuda0);
+      expect_rejected(b, varlen ? call_bwd_varlen : call_bwd, FLARE_UNSUPPORTED, {bad});
+    }
+    Dims big;
+    big.headdim = 600;
+    FwdCase c(varlen, big);
+    move_all({&c.params.q, &c.params.k, &c.params.v, &c.params.out, &c.params.softmax_lse,
+              &c.params.cu_seqlens_q, &c.params.cu_seqlens_k}, kCuda0);
+    expect_rejected(c, varlen ? call_fwd_varlen : call_fwd, kInvalid, {"(headdim) is 600", "1..576"});
+  }
 }
 
 TEST(BadInput, NonUnitLastStride) {

@@ -128,8 +128,12 @@ TEST(BadInputKvCache, HeadsAndHeadDim) {
     expect_rejected(c, call_kvcache, kInvalid, {"k_cache has 3 heads but q has 4"});
   });
   for_dense_and_paged([](KvCase& c) {
-    c.params.q.shape[3] = 300;
-    expect_rejected(c, call_kvcache, kInvalid, {"q.shape[3] (headdim) is 300"});
+    c.params.q.shape[3] = 577;
+    expect_rejected(c, call_kvcache, kInvalid, {"q.shape[3] (headdim) is 577", "1..576"});
+  });
+  for_dense_and_paged([](KvCase& c) {
+    c.params.v_cache.shape[3] = 513;
+    expect_rejected(c, call_kvcache, kInvalid, {"v_cache.shape[3] (headdim_v) is 513", "1..512"});
   });
   for_dense_and_paged([](KvCase& c) {
     c.params.v_cache.shape[3] = 0;

@@ -3,6 +3,7 @@
 // rotary in both styles, decode (seqlen_q = 1) and seqlen_q > 1 with causal, plus the masking options.
 #include <algorithm>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include "attention_harness.hpp"
@@ -480,6 +481,51 @@ TEST(KvCache, Sinks) {
         check_kvcache(c, rng);
       }
     }
+  }
+}
+
+// Head dims past 256 (the CPU backend's range ends at 576 / 512): the decode path (split and not), the
+// forward's tiles (many rows per kv head, and fp64), dense and paged caches, appends and rotary over the whole
+// head (the rotation's fp64 rows are sized by the widest head).
+TEST(KvCache, WideHeads) {
+  Rng rng;
+  const std::pair<int64_t, int64_t> dims[] = {{512, 512}, {576, 512}, {96, 512}};
+  for (flare_dtype dtype : kDtypes) {
+    for (auto [d, dv] : dims) {
+      KvCase c;  // MLA-like decode: one kv head shared by 8 query heads
+      c.dtype = dtype;
+      c.nheads = 8;
+      c.nheads_k = 1;
+      c.headdim = d;
+      c.headdim_v = dv;
+      c.capacity = 301;
+      c.seqlen_new = 1;
+      c.rotary_dim = d == 576 ? 64 : d;
+      c.interleaved = d == 576;
+      c.num_splits = dtype == FLARE_DTYPE_F32 ? 3 : 0;
+      check_kvcache(c, rng);
+      c.block_size = 16;  // paged, a few query rows, causal with a window
+      c.capacity = 96;
+      c.seqlen_q = 3;
+      c.seqlen_new = 3;
+      c.causal = true;
+      c.window_left = 40;
+      c.num_splits = 0;
+      check_kvcache(c, rng);
+    }
+    KvCase f;  // 2 x 40 rows per kv head: the forward's tiles instead of the decode path
+    f.dtype = dtype;
+    f.batch = 1;
+    f.nheads = 2;
+    f.nheads_k = 1;
+    f.headdim = 576;
+    f.headdim_v = 512;
+    f.capacity = 90;
+    f.seqlen_q = 40;
+    f.seqlen_new = 40;
+    f.causal = true;
+    f.rotary_dim = 576;
+    check_kvcache(f, rng);
   }
 }
 

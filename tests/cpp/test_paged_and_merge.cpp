@@ -64,12 +64,14 @@ struct VarlenRun {
   std::vector<double> out, lse;
 };
 
-TEST(PagedVarlen, MatchesDenseVarlenBitForBit) {
+// Paged against dense varlen keys, bit for bit, at head dims d / dv for each dtype and page size.
+void expect_paged_matches_dense(int64_t d, int64_t dv, const std::vector<flare_dtype>& dtypes,
+                                const std::vector<int64_t>& pages) {
   Rng rng;
-  const int64_t nheads = 4, nheads_k = 2, d = 40, dv = 24;
+  const int64_t nheads = 4, nheads_k = 2;
   const std::vector<int64_t> lens_q = {3, 1, 0, 7, 1};
   const std::vector<int64_t> lens_k = {301, 0, 5, 260, 1};  // an empty sequence, and one past a page of 256
-  for (flare_dtype dtype : {FLARE_DTYPE_F32, FLARE_DTYPE_BF16, FLARE_DTYPE_F16, FLARE_DTYPE_F64}) {
+  for (flare_dtype dtype : dtypes) {
     const std::vector<int64_t> cu_q = prefix_sums(lens_q), cu_k = prefix_sums(lens_k);
     HostTensor q = HostTensor::contiguous(dtype, {cu_q.back(), nheads, d});
     HostTensor k = HostTensor::contiguous(dtype, {cu_k.back(), nheads_k, d});
@@ -106,7 +108,7 @@ TEST(PagedVarlen, MatchesDenseVarlenBitForBit) {
         return r;
       };
       const VarlenRun dense = run(k, v, nullptr, false);
-      for (int64_t page : kPageSizes) {
+      for (int64_t page : pages) {
         for (bool by_seqused : {false, true}) {
           SCOPED_TRACE(std::string(dtype_name(dtype)) + " page " + std::to_string(page) + (causal ? " causal" : "") +
                        (by_seqused ? " seqused_k" : " cu_seqlens_k"));
@@ -118,6 +120,16 @@ TEST(PagedVarlen, MatchesDenseVarlenBitForBit) {
       }
     }
   }
+}
+
+TEST(PagedVarlen, MatchesDenseVarlenBitForBit) {
+  expect_paged_matches_dense(40, 24, {FLARE_DTYPE_F32, FLARE_DTYPE_BF16, FLARE_DTYPE_F16, FLARE_DTYPE_F64},
+                             {std::begin(kPageSizes), std::end(kPageSizes)});
+}
+
+TEST(PagedVarlen, WideHeadsMatchDenseVarlen) {
+  // The MLA shape (the CPU backend's widest), pages of an odd size.
+  expect_paged_matches_dense(576, 512, {FLARE_DTYPE_F32, FLARE_DTYPE_BF16}, {7});
 }
 
 // A valid paged varlen call; each test below breaks one rule of it.

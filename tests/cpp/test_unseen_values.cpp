@@ -80,11 +80,13 @@ constexpr flare_dtype kDtypes[] = {FLARE_DTYPE_F32, FLARE_DTYPE_BF16};
 double tolerance(flare_dtype dtype) { return dtype == FLARE_DTYPE_F32 ? 2e-5 : 2e-2; }
 
 // Dense forward, one sequence of 300 queries and keys (two key blocks of every engine), 2 query heads on one
-// kv head: key `bad` holds `v_value` in V and `k_value` in K.
-void dense_case(flare_dtype dtype, int32_t causal, int32_t window_left, int64_t bad, double v_value, double k_value) {
+// kv head, head dim `dim`: key `bad` holds `v_value` in V and `k_value` in K.
+void dense_case(flare_dtype dtype, int32_t causal, int32_t window_left, int64_t bad, double v_value, double k_value,
+                int64_t dim = 32) {
   SCOPED_TRACE(std::string(dtype == FLARE_DTYPE_F32 ? "f32" : "bf16") + " causal " + std::to_string(causal) +
-               " window_left " + std::to_string(window_left) + " bad key " + std::to_string(bad));
-  const int64_t n = 300, heads = 2, dim = 32;
+               " window_left " + std::to_string(window_left) + " bad key " + std::to_string(bad) + " dim " +
+               std::to_string(dim));
+  const int64_t n = 300, heads = 2;
   Tensor q(dtype, {1, n, heads, dim}, 1), k(dtype, {1, n, 1, dim}, 2), v(dtype, {1, n, 1, dim}, 3),
       out(dtype, {1, n, heads, dim}, 4);
   fill_row(v, bad, dim, v_value);
@@ -261,15 +263,15 @@ void expect_rows_match(const char* name, const std::vector<double>& want, int64_
 }
 
 // Dense backward, one sequence of 300 queries and keys (three key blocks of the FMA engine, five of the bf16
-// ones), 2 query heads on one kv head: key `bad` holds `v_value` in V and `k_value` in K. out and lse come
+// ones), 2 query heads on one kv head, head dim `dim`: key `bad` holds `v_value` in V and `k_value` in K. out and lse come
 // from flare's forward; dq (rows (query, head)), dk and dv (rows = keys) are checked against the reference,
 // dq in at least `clean_rows` rows (the rows that cannot see key `bad`, both heads).
 void dense_backward_case(flare_dtype dtype, int32_t causal, int32_t window_left, float softcap, int64_t bad,
-                         double v_value, double k_value, int64_t clean_rows) {
+                         double v_value, double k_value, int64_t clean_rows, int64_t dim = 32) {
   SCOPED_TRACE(std::string(dtype == FLARE_DTYPE_F32 ? "f32" : "bf16") + " causal " + std::to_string(causal) +
                " window_left " + std::to_string(window_left) + " softcap " + std::to_string(softcap) + " bad key " +
-               std::to_string(bad));
-  const int64_t n = 300, heads = 2, dim = 32;
+               std::to_string(bad) + " dim " + std::to_string(dim));
+  const int64_t n = 300, heads = 2;
   Tensor q(dtype, {1, n, heads, dim}, 21), k(dtype, {1, n, 1, dim}, 22), v(dtype, {1, n, 1, dim}, 23),
       out(dtype, {1, n, heads, dim}, 24), dout(dtype, {1, n, heads, dim}, 25), lse(FLARE_DTYPE_F32, {1, heads, n}),
       dq(dtype, {1, n, heads, dim}, 26), dk(dtype, {1, n, 1, dim}, 27), dv(dtype, {1, n, 1, dim}, 28);
@@ -336,6 +338,14 @@ TEST(UnseenValues, BackwardWindowMaskedKeys) {
   for (flare_dtype dtype : kDtypes) {
     dense_backward_case(dtype, 1, 16, 0.0f, 10, kNaN, kNaN, 2 * (10 + 273));  // rows 27.. slid past key 10
     dense_backward_case(dtype, 0, 7, 0.0f, 200, kInf, kInf, 2 * 92);  // non-causal: rows 208.. do not see it
+  }
+}
+
+// Heads wider than 256: the rows that add a seen key's non-finite values back are as wide as the head.
+TEST(UnseenValues, WideHeads) {
+  for (flare_dtype dtype : kDtypes) {
+    dense_case(dtype, 1, -1, 150, kNaN, kInf, 512);
+    dense_backward_case(dtype, 1, 16, 0.0f, 10, kNaN, kNaN, 2 * (10 + 273), 512);
   }
 }
 

@@ -247,7 +247,7 @@ struct Shape {
 
 Shape pick_shape(Bytes& in) {
   static const flare_dtype kDtypes[4] = {FLARE_DTYPE_F32, FLARE_DTYPE_BF16, FLARE_DTYPE_F16, FLARE_DTYPE_F64};
-  static const int64_t kHeaddims[12] = {1, 3, 8, 16, 31, 32, 64, 80, 96, 128, 256, 257};
+  static const int64_t kHeaddims[16] = {1, 3, 8, 16, 31, 32, 64, 80, 96, 128, 256, 257, 320, 512, 576, 577};
   Shape s;
   s.dtype = kDtypes[in.range(0, 3)];
   s.batch = in.range(0, 3);
@@ -256,8 +256,8 @@ Shape pick_shape(Bytes& in) {
   s.nheads_k = in.range(1, 3);
   s.nheads = s.nheads_k * in.range(1, 3);
   if (in.flag(16)) s.nheads = in.range(1, 7);  // not always a multiple
-  s.headdim = in.flag(3) ? in.range(1, 40) : kHeaddims[in.range(0, 11)];
-  s.headdim_v = in.flag(4) ? (in.flag() ? in.range(1, 40) : kHeaddims[in.range(0, 11)]) : s.headdim;
+  s.headdim = in.flag(3) ? in.range(1, 40) : kHeaddims[in.range(0, 15)];
+  s.headdim_v = in.flag(4) ? (in.flag() ? in.range(1, 40) : kHeaddims[in.range(0, 15)]) : s.headdim;
   return s;
 }
 
@@ -596,7 +596,7 @@ void run_size_query(Bytes& in) {
   };
   flare_tensor t[5];
   const int64_t batch = huge(), sq = huge(), sk = huge(), hk = in.range(1, 4), h = hk * in.range(1, 4);
-  const int64_t d = in.range(1, 256);
+  const int64_t d = in.range(1, 577);
   const int64_t shapes[5][4] = {{batch, sq, h, d}, {batch, sk, hk, d}, {batch, sk, hk, d}, {batch, sq, h, d},
                                 {batch, h, sq, 1}};
   for (int i = 0; i < 5; ++i) {
