@@ -115,10 +115,12 @@ FLARE_API flare_tensor flare_tensor_contiguous(void* data, flare_dtype dtype, fl
  * 1 / (1 - dropout_p), or dropped (set to 0), before out = sum_j P_ij v_j; softmax_lse is the undropped one.
  * The mask is a pure function of (dropout_seed, dropout_offset) and the element's coordinates — sequence b
  * (the batch index, or the varlen sequence), query head h, query i and key j counted within the sequence —
- * the same on every backend, tiling and thread count: element (b, h, i, j) is kept when word j % 4 of
- *   Philox4x32-10(counter = {j / 4, i, b * nheads + h, (uint32) dropout_offset},
+ * the same on every backend, tiling and thread count: element (b, h, i, j) is kept when byte j % 16 of the
+ * 16 bytes (words w0..w3, each little-endian) of
+ *   Philox4x32-10(counter = {j / 16, i, b * nheads + h, (uint32) dropout_offset},
  *                 key = {(uint32) dropout_seed, (uint32)(dropout_seed >> 32) ^ (uint32)(dropout_offset >> 32)})
- * is >= round(dropout_p * 2^32) (counter words and products modulo 2^32). The backward must be given the
+ * is >= min(round(256 dropout_p), 255) (counter words modulo 2^32): the keep probability has a resolution of
+ * 1/256, as in FlashAttention 2. The backward must be given the
  * forward's dropout_p, dropout_seed and dropout_offset: it draws the same mask again. flare_dropout_mask
  * writes the mask of one sequence. CUDA devices: the sm80 kernels run it (a forced sm90 forward refuses it). */
 

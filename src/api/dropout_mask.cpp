@@ -31,10 +31,12 @@ flare_status dropout_mask(float dropout_p, uint64_t seed, uint64_t offset, int64
       const auto stream = static_cast<uint32_t>(sequence * nheads + h);
       for (int64_t i = 0; i < seqlen_q; ++i) {
         uint8_t* row = mask + (h * seqlen_q + i) * seqlen_k;
-        for (int64_t j = 0; j < seqlen_k; j += 4) {
+        for (int64_t j = 0; j < seqlen_k; j += 16) {
           const philox::Words w =
-              philox::dropout_words(key, stream, static_cast<uint32_t>(i), static_cast<uint32_t>(j / 4));
-          for (int64_t x = j; x < seqlen_k && x < j + 4; ++x) row[x] = w.w[x - j] >= threshold ? 1 : 0;
+              philox::dropout_words(key, stream, static_cast<uint32_t>(i), static_cast<uint32_t>(j / 16));
+          for (int64_t x = j; x < seqlen_k && x < j + 16; ++x) {
+            row[x] = philox::dropout_byte(w, static_cast<uint32_t>(x - j)) >= threshold ? 1 : 0;
+          }
         }
       }
     }

@@ -6,10 +6,12 @@
 // thread count draw the same mask, and the backward recomputes the forward's mask instead of storing it.
 //
 // Dropout's mapping (flare.h states it as the contract): the keep decision of (sequence b, query head h,
-// query i, key j), i and j counted within the sequence, is word j % 4 of
-//   philox4x32_10(counter = {j / 4, i, b * nheads + h, low 32 bits of offset},
+// query i, key j), i and j counted within the sequence, is byte j % 16 of the 16 output bytes (words w0..w3,
+// each little-endian: byte x is bits 8 (x % 4) .. of word x / 4) of
+//   philox4x32_10(counter = {j / 16, i, b * nheads + h, low 32 bits of offset},
 //                 key     = {low 32 bits of seed, high 32 bits of seed ^ high 32 bits of offset})
-// and the element is kept when that word is >= dropout_threshold(p) (probability 1 - p, to 2^-32).
+// and the element is kept when that byte is >= dropout_threshold(p) = round(256 p), at most 255 (so p has
+// FlashAttention 2's resolution of 1/256). One draw serves 16 elements.
 #pragma once
 
 #include <cstdint>
@@ -54,16 +56,22 @@ FLARE_PHILOX_HD DropoutKey dropout_key(uint64_t seed, uint64_t offset) {
           static_cast<uint32_t>(offset)};
 }
 
-// Words below the threshold drop their element: round(p * 2^32), at most 2^32 - 1 (p < 1 is checked).
+// Bytes below the threshold drop their element: round(256 p), at most 255 (p < 1 is checked).
 inline uint32_t dropout_threshold(double p) {
-  const double t = p * 4294967296.0 + 0.5;
-  return t >= 4294967295.0 ? 4294967295u : static_cast<uint32_t>(t);
+  const double t = p * 256.0 + 0.5;
+  return t >= 255.0 ? 255u : static_cast<uint32_t>(t);
 }
 
-// The four keep words of keys 4 * group .. 4 * group + 3 of query i in (sequence, head) row stream `stream`
-// (b * nheads + h).
+// The keep bytes of keys 16 * group .. 16 * group + 15 of query i in (sequence, head) row stream `stream`
+// (b * nheads + h), as four words.
 FLARE_PHILOX_HD Words dropout_words(const DropoutKey& key, uint32_t stream, uint32_t i, uint32_t group) {
   return philox4x32_10(Words{{group, i, stream, key.offset}}, key.k0, key.k1);
+}
+
+// Byte x (0..15) of a draw: the keep byte of key 16 * group + x.
+FLARE_PHILOX_HD uint32_t dropout_byte(const Words& w, uint32_t x) {
+  const uint32_t word = x < 8 ? (x < 4 ? w.w[0] : w.w[1]) : (x < 12 ? w.w[2] : w.w[3]);
+  return (word >> (8 * (x % 4))) & 0xFFu;
 }
 
 }  // namespace flare::philox

@@ -2,13 +2,14 @@
 //
 // A kernel asks for the factors of a piece of one (sequence, head)'s probability matrix: z = 1 / (1 - p) where
 // the element is kept, 0 where it is dropped. Philox runs on as many counters at once as a vector holds
-// (GCC/clang vector extensions: the 32x32->64 multiplies become the ISA's widening multiply), one counter
-// per four keys of one query. Two layouts:
+// (GCC/clang vector extensions, the widening multiplies spelt out for AVX-512), one counter per 16 keys of
+// one query, each key decided by one byte of the draw. Two layouts:
 //   dropout_row          queries-major: one query's keys j0 .. j0 + n (the forward's P rows, the FMA
-//                        backward's): counters vary in their key group, their words are consecutive keys;
+//                        backward's): counters vary in their key group; a lane's 16 bytes are 16 consecutive
+//                        keys once the words are transposed across lanes;
 //   dropout_keys_major   a tile with keys as rows, queries as columns (the bf16 backward engines' Pᵀ):
-//                        counters vary in their query, word w of a counter is key row 4 * group + w, so
-//                        each word vector is a row segment, stored whole.
+//                        counters vary in their query, byte x of a counter is key row 16 * group + x, so
+//                        each byte position gives a row segment, stored whole.
 #pragma once
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -36,13 +37,17 @@ struct PhiloxLanes {
 inline void mulhilo(PhiloxU32 a, uint32_t m, PhiloxU32& hi, PhiloxU32& lo) {
 #if FLARE_VEC_BYTES == 64 && defined(__AVX512F__)
   // vpmuludq on the even and the odd lanes: what the generic form below becomes is vpmullq, three times slower.
-  // (The maskz forms with every lane set: GCC 12 warns about the plain ones' undefined pass-through operand.)
+  // The halves are moved by swapping the 32-bit words of each 64-bit lane (a shuffle, port 5) rather than by
+  // 64-bit shifts, which share port 0 with the multiplies. (The maskz forms with every lane set: GCC 12 warns
+  // about the plain ones' undefined pass-through operand.)
   constexpr __mmask8 kAll = 0xFF;
+  constexpr __mmask16 kAll32 = 0xFFFF;
+  const auto swap = [](__m512i x) { return _mm512_maskz_shuffle_epi32(kAll32, x, _MM_PERM_CDAB); };
   const __m512i av = reinterpret_cast<__m512i>(a), mv = _mm512_set1_epi32(static_cast<int>(m));
   const __m512i even = _mm512_maskz_mul_epu32(kAll, av, mv);
-  const __m512i odd = _mm512_maskz_mul_epu32(kAll, _mm512_maskz_srli_epi64(kAll, av, 32), mv);
-  lo = reinterpret_cast<PhiloxU32>(_mm512_mask_blend_epi32(0xAAAA, even, _mm512_maskz_slli_epi64(kAll, odd, 32)));
-  hi = reinterpret_cast<PhiloxU32>(_mm512_mask_blend_epi32(0xAAAA, _mm512_maskz_srli_epi64(kAll, even, 32), odd));
+  const __m512i odd = _mm512_maskz_mul_epu32(kAll, swap(av), mv);
+  lo = reinterpret_cast<PhiloxU32>(_mm512_mask_blend_epi32(0xAAAA, even, swap(odd)));
+  hi = reinterpret_cast<PhiloxU32>(_mm512_mask_blend_epi32(0xAAAA, swap(even), odd));
 #else
   const PhiloxU64 p = __builtin_convertvector(a, PhiloxU64) * uint64_t{m};
   hi = __builtin_convertvector(p >> 32, PhiloxU32);
@@ -86,10 +91,11 @@ inline uint32_t dropout_stream(const Problem& p, const Sequence& seq, int64_t h)
   return static_cast<uint32_t>(seq.b * p.nheads + h);
 }
 
-// Lane l's words are keys 4l .. 4l + 3 of a batch: stores the 4 * kPhiloxLanes factors in key order (z[4l + w]
-// from word w of lane l). The AVX2 and AVX-512 forms transpose the words in registers (unpacks within
-// 128-bit lanes, then whole 128-bit lanes moved) and store whole vectors of factors.
-inline void store_factors(const PhiloxLanes& r, uint32_t threshold, float kept, float* z) {
+// Lane l's 16 bytes (words w0..w3, little-endian) decide keys 16 l .. 16 l + 15 of a batch: stores the first
+// n factors (n a multiple of the float vector width, at most 16 * kPhiloxLanes) in key order. The AVX2 and AVX-512 forms transpose the words across lanes in
+// registers (unpacks within 128-bit lanes, then whole 128-bit lanes moved), so that each vector's bytes are
+// consecutive keys, compare the bytes at once and expand the keep bits into factors.
+inline void store_factors(const PhiloxLanes& r, uint32_t threshold, float kept, float* z, int64_t n) {
 #if FLARE_VEC_BYTES == 64 && defined(__AVX512F__)
   // The maskz forms with every lane set, as in mulhilo.
   constexpr __mmask16 kAll = 0xFFFF;
@@ -100,7 +106,7 @@ inline void store_factors(const PhiloxLanes& r, uint32_t threshold, float kept, 
   // q_s, 128-bit lane k: the four words of lane (group) 4k + s.
   const __m512i q0 = _mm512_maskz_unpacklo_epi64(kAll64, a, c), q1 = _mm512_maskz_unpackhi_epi64(kAll64, a, c);
   const __m512i q2 = _mm512_maskz_unpacklo_epi64(kAll64, b, e), q3 = _mm512_maskz_unpackhi_epi64(kAll64, b, e);
-  // Whole 128-bit lanes moved: out[q], lane t = q_t's lane q (a 4 x 4 transpose of lanes).
+  // Whole 128-bit lanes moved: out[q], lane t = q_t's lane q (a 4 x 4 transpose of lanes): groups 4q .. 4q + 3.
   const __m512i t0 = _mm512_maskz_shuffle_i32x4(kAll, q0, q1, _MM_SHUFFLE(1, 0, 1, 0));
   const __m512i t1 = _mm512_maskz_shuffle_i32x4(kAll, q2, q3, _MM_SHUFFLE(1, 0, 1, 0));
   const __m512i t2 = _mm512_maskz_shuffle_i32x4(kAll, q0, q1, _MM_SHUFFLE(3, 2, 3, 2));
@@ -109,70 +115,89 @@ inline void store_factors(const PhiloxLanes& r, uint32_t threshold, float kept, 
                           _mm512_maskz_shuffle_i32x4(kAll, t0, t1, _MM_SHUFFLE(3, 1, 3, 1)),
                           _mm512_maskz_shuffle_i32x4(kAll, t2, t3, _MM_SHUFFLE(2, 0, 2, 0)),
                           _mm512_maskz_shuffle_i32x4(kAll, t2, t3, _MM_SHUFFLE(3, 1, 3, 1))};
-  const __m512i thr = _mm512_set1_epi32(static_cast<int>(threshold));
+  const __m512i thr = _mm512_set1_epi8(static_cast<char>(threshold));
   const __m512 k = _mm512_set1_ps(kept);
-  for (int x = 0; x < 4; ++x) _mm512_storeu_ps(z + 16 * x, _mm512_maskz_mov_ps(_mm512_cmpge_epu32_mask(out[x], thr), k));
+  for (int x = 0; x < 4 && 64 * x < n; ++x) {
+    const __mmask64 keep = _mm512_cmpge_epu8_mask(out[x], thr);  // 64 keys, one bit each
+    for (int y = 0; y < 4 && 64 * x + 16 * y < n; ++y) {
+      _mm512_storeu_ps(z + 64 * x + 16 * y, _mm512_maskz_mov_ps(static_cast<__mmask16>(keep >> (16 * y)), k));
+    }
+  }
 #elif FLARE_VEC_BYTES == 32 && defined(__AVX2__)
   const auto w = [&](int x) { return reinterpret_cast<__m256i>(r.w[x]); };
   const __m256i a = _mm256_unpacklo_epi32(w(0), w(1)), b = _mm256_unpackhi_epi32(w(0), w(1));
   const __m256i c = _mm256_unpacklo_epi32(w(2), w(3)), e = _mm256_unpackhi_epi32(w(2), w(3));
   const __m256i q0 = _mm256_unpacklo_epi64(a, c), q1 = _mm256_unpackhi_epi64(a, c);
   const __m256i q2 = _mm256_unpacklo_epi64(b, e), q3 = _mm256_unpackhi_epi64(b, e);
+  // out[x]: groups 2x, 2x + 1, their bytes in key order.
   const __m256i out[4] = {_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q2, q3, 0x20),
                           _mm256_permute2x128_si256(q0, q1, 0x31), _mm256_permute2x128_si256(q2, q3, 0x31)};
-  const __m256i thr = _mm256_set1_epi32(static_cast<int>(threshold));
+  const __m256i thr = _mm256_set1_epi8(static_cast<char>(threshold));
   const __m256 k = _mm256_set1_ps(kept);
-  for (int x = 0; x < 4; ++x) {
-    const __m256i keep = _mm256_cmpeq_epi32(_mm256_max_epu32(out[x], thr), out[x]);  // word >= threshold
-    _mm256_storeu_ps(z + 8 * x, _mm256_and_ps(_mm256_castsi256_ps(keep), k));
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  for (int x = 0; x < 4 && 32 * x < n; ++x) {
+    const __m256i ge = _mm256_cmpeq_epi8(_mm256_max_epu8(out[x], thr), out[x]);  // byte >= threshold
+    const uint32_t keep = static_cast<uint32_t>(_mm256_movemask_epi8(ge));     // 32 keys, one bit each
+    for (int y = 0; y < 4 && 32 * x + 8 * y < n; ++y) {
+      const __m256i lanes = _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(keep >> (8 * y))), bit);
+      const __m256 on = _mm256_castsi256_ps(_mm256_cmpeq_epi32(lanes, bit));
+      _mm256_storeu_ps(z + 32 * x + 8 * y, _mm256_and_ps(on, k));
+    }
   }
 #else
-  for (int x = 0; x < 4 * kPhiloxLanes; ++x) z[x] = r.w[x % 4][x / 4] >= threshold ? kept : 0.0f;
+  for (int64_t x = 0; x < n; ++x) {
+    const uint32_t byte = (r.w[(x % 16) / 4][x / 16] >> (8 * (x % 4))) & 0xFFu;
+    z[x] = byte >= threshold ? kept : 0.0f;
+  }
 #endif
 }
 
-// z[c] = the factor of (query i, key j0 + c) for c < n: scale where kept, 0 where dropped. j0 % 4 == 0.
+// z[c] = the factor of (query i, key j0 + c) for c < n: scale where kept, 0 where dropped. j0 % 16 == 0.
 template <class T>
 inline void dropout_row(const DropoutDraw& d, uint32_t stream, int64_t i, int64_t j0, int64_t n, T* z) {
   const T kept = static_cast<T>(d.scale);
-  const uint32_t g0 = static_cast<uint32_t>(j0 / 4);
-  for (int64_t c0 = 0; c0 < n; c0 += 4 * kPhiloxLanes) {
+  const uint32_t g0 = static_cast<uint32_t>(j0 / 16);
+  for (int64_t c0 = 0; c0 < n; c0 += 16 * kPhiloxLanes) {
     PhiloxLanes ctr;
-    ctr.w[0] = philox_iota(g0 + static_cast<uint32_t>(c0 / 4));
+    ctr.w[0] = philox_iota(g0 + static_cast<uint32_t>(c0 / 16));
     ctr.w[1] = PhiloxU32{} + static_cast<uint32_t>(i);
     ctr.w[2] = PhiloxU32{} + stream;
     ctr.w[3] = PhiloxU32{} + d.key.offset;
     const PhiloxLanes r = philox_lanes(ctr, d.key.k0, d.key.k1);
-    const int64_t end = smin<int64_t>(4 * kPhiloxLanes, n - c0);
+    const int64_t end = smin<int64_t>(16 * kPhiloxLanes, n - c0);
     if constexpr (std::is_same_v<T, float>) {
-      if (end == 4 * kPhiloxLanes) {  // a whole batch: vector stores
-        store_factors(r, d.threshold, kept, z + c0);
+      if (end % (FLARE_VEC_BYTES / 4) == 0) {  // whole vectors of factors (every engine's key blocks)
+        store_factors(r, d.threshold, kept, z + c0, end);
         continue;
       }
     }
-    for (int64_t x = 0; x < end; ++x) z[c0 + x] = r.w[x % 4][x / 4] >= d.threshold ? kept : T(0);
+    for (int64_t x = 0; x < end; ++x) {
+      const uint32_t byte = (r.w[(x % 16) / 4][x / 16] >> (8 * (x % 4))) & 0xFFu;
+      z[c0 + x] = byte >= d.threshold ? kept : T(0);
+    }
   }
 }
 
-// zt[r * ld + c] = the factor of (query i0 + c, key j0 + r) for r < keys, c < queries: keys as rows. j0 % 4 == 0
-// and keys % 4 == 0, queries a multiple of kPhiloxLanes.
+// zt[r * ld + c] = the factor of (query i0 + c, key j0 + r) for r < keys, c < queries: keys as rows. j0 % 16 == 0
+// and keys % 16 == 0, queries a multiple of kPhiloxLanes.
 inline void dropout_keys_major(const DropoutDraw& d, uint32_t stream, int64_t i0, int64_t queries, int64_t j0,
                                int64_t keys, float* zt, int64_t ld) {
   typedef float FloatLanes __attribute__((vector_size(FLARE_VEC_BYTES)));
   typedef int32_t IntLanes __attribute__((vector_size(FLARE_VEC_BYTES)));
-  const FloatLanes kept = FloatLanes{} + static_cast<float>(d.scale);
-  for (int64_t r = 0; r < keys; r += 4) {
+  const IntLanes kept = reinterpret_cast<IntLanes>(FloatLanes{} + static_cast<float>(d.scale));
+  const PhiloxU32 threshold = PhiloxU32{} + d.threshold;
+  for (int64_t r = 0; r < keys; r += 16) {
     for (int64_t c = 0; c < queries; c += kPhiloxLanes) {
       PhiloxLanes ctr;
-      ctr.w[0] = PhiloxU32{} + static_cast<uint32_t>((j0 + r) / 4);
+      ctr.w[0] = PhiloxU32{} + static_cast<uint32_t>((j0 + r) / 16);
       ctr.w[1] = philox_iota(static_cast<uint32_t>(i0 + c));
       ctr.w[2] = PhiloxU32{} + stream;
       ctr.w[3] = PhiloxU32{} + d.key.offset;
       const PhiloxLanes words = philox_lanes(ctr, d.key.k0, d.key.k1);
-      for (int w = 0; w < 4; ++w) {
-        const IntLanes keep = words.w[w] >= d.threshold;  // all ones where kept
-        FloatLanes z = reinterpret_cast<FloatLanes>(reinterpret_cast<IntLanes>(kept) & keep);
-        __builtin_memcpy(zt + (r + w) * ld + c, &z, sizeof z);
+      for (int x = 0; x < 16; ++x) {  // byte x of every lane: key row r + x
+        const IntLanes keep = ((words.w[x / 4] >> (8 * (x % 4))) & 0xFFu) >= threshold;  // all ones where kept
+        const FloatLanes z = reinterpret_cast<FloatLanes>(kept & keep);
+        __builtin_memcpy(zt + (r + x) * ld + c, &z, sizeof z);
       }
     }
   }

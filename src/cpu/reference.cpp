@@ -107,12 +107,14 @@ bool dropout_keeps(const Options& opts, int64_t nheads, int64_t h, int64_t i, in
   // Written out from flare.h's statement of the mapping, apart from the kernels' vectorised draw.
   const uint32_t k0 = static_cast<uint32_t>(opts.dropout_seed);
   const uint32_t k1 = static_cast<uint32_t>(opts.dropout_seed >> 32) ^ static_cast<uint32_t>(opts.dropout_offset >> 32);
-  const philox::Words counter{{static_cast<uint32_t>(j / 4), static_cast<uint32_t>(i),
+  const philox::Words counter{{static_cast<uint32_t>(j / 16), static_cast<uint32_t>(i),
                                static_cast<uint32_t>(opts.sequence * nheads + h),
                                static_cast<uint32_t>(opts.dropout_offset)}};
   const philox::Words words = philox::philox4x32_10(counter, k0, k1);
-  const double threshold = std::min(std::floor(opts.dropout_p * 4294967296.0 + 0.5), 4294967295.0);
-  return static_cast<double>(words.w[j % 4]) >= threshold;
+  const int64_t x = j % 16;  // byte x of the 16 output bytes, the words little-endian
+  const uint32_t byte = (words.w[x / 4] >> (8 * (x % 4))) & 0xFFu;
+  const double threshold = std::min(std::floor(opts.dropout_p * 256.0 + 0.5), 255.0);
+  return static_cast<double>(byte) >= threshold;
 }
 
 bool key_visible(const Options& opts, int64_t i, int64_t j, int64_t seqlen_q, int64_t seqlen_k) {

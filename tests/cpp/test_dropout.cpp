@@ -53,7 +53,9 @@ TEST(Dropout, MaskKeepsOneMinusPWithinFourSigma) {
       ASSERT_LE(x, 1);
       kept += x;
     }
-    const double n = static_cast<double>(m.size()), q = 1.0 - p;
+    // The keep probability is 1 - round(256 p) / 256 (flare.h: bytes against the threshold).
+    const double n = static_cast<double>(m.size()), q = 1.0 - std::round(256.0 * p) / 256.0;
+    EXPECT_NEAR(q, 1.0 - p, 1.0 / 512) << "p=" << p;
     EXPECT_NEAR(kept / n, q, 4.0 * std::sqrt(q * (1 - q) / n)) << "p=" << p;
   }
   // p = 0 keeps everything.

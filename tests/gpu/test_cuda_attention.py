@@ -273,7 +273,8 @@ def test_dropout_mask_is_the_cpu_mask(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=_id)
 def test_dropout_matches_the_cpu_backend(dtype, causal):
     # Same seed and offset on the device and on the CPU: the same mask, so the same outputs and gradients up to
-    # each backend's rounding (the fp32 CPU result on the rounded inputs is the reference).
+    # rounding. The reference is the CPU backend in fp32 on the same (rounded) inputs; the same-dtype model of
+    # the rule is the CPU backend in the dtype itself (P and the outputs rounded to it).
     b, sq, sk, h, hk, d, p = 2, 113 if not SMALL else 13, 203 if not SMALL else 29, 6, 2, 64, 0.2
     seed, offset = 1234567, 89
     q, k, v = (torch.randn(b, n, heads, d, device=DEVICE).to(dtype).requires_grad_(True)
@@ -281,10 +282,12 @@ def test_dropout_matches_the_cpu_backend(dtype, causal):
     dout = torch.randn(b, sq, h, d, device=DEVICE).to(dtype)
     out, _ = _dropout_fwd(q, k, v, causal, p, seed, offset)
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    cq, ck, cv = (t.detach().cpu().float().requires_grad_(True) for t in (q, k, v))
-    ref, _ = _dropout_fwd(cq, ck, cv, causal, p, seed, offset)
-    ref_grads = torch.autograd.grad(ref, (cq, ck, cv), dout.cpu().float())
-    atol, rtol = (2e-2, 2e-2) if dtype == torch.bfloat16 else (4e-3, 4e-3)
-    torch.testing.assert_close(out.cpu().float(), ref, atol=atol, rtol=rtol)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g.cpu().float(), r, atol=atol * max(1.0, r.abs().max().item()), rtol=rtol)
+    results = {}
+    for name, compute in (("ref", torch.float32), ("naive", dtype)):
+        cq, ck, cv = (t.detach().cpu().to(compute).requires_grad_(True) for t in (q, k, v))
+        o, _ = _dropout_fwd(cq, ck, cv, causal, p, seed, offset)
+        results[name] = (o,) + torch.autograd.grad(o, (cq, ck, cv), dout.cpu().to(compute))
+    for index, name in enumerate(("out", "dq", "dk", "dv")):
+        got = (out,) + grads
+        check_close(name, got[index].detach().cpu().float(), results["ref"][index].detach().float(),
+                    results["naive"][index].detach().float(), dtype, f"[dropout {p}, causal {causal}]")

@@ -36,7 +36,7 @@ __device__ __forceinline__ float tanh_approx(float u) {
 
 // Dropout's factor of (query row i, key col j) of the call's (sequence, head) stream (b * nheads + h): the
 // params' dropout_scale where kept, 0 where dropped (flare.h's mapping; one Philox draw per element, of
-// which the element uses word j % 4).
+// which the element uses byte j % 16).
 struct DropoutStream {
   philox::DropoutKey key;
   uint32_t stream, threshold;
@@ -49,13 +49,32 @@ struct DropoutStream {
         scale(p.dropout_scale) {}
 
   __device__ __forceinline__ float factor(int i, int j) const {
-    const philox::Words w = philox::dropout_words(key, stream, static_cast<uint32_t>(i), static_cast<uint32_t>(j) >> 2);
-    // A select, not w.w[j & 3]: an index known only at run time would put the words in local memory.
-    const int x = j & 3;
-    const uint32_t word = x == 0 ? w.w[0] : x == 1 ? w.w[1] : x == 2 ? w.w[2] : w.w[3];
-    return word >= threshold ? scale : 0.f;
+    const philox::Words w = philox::dropout_words(key, stream, static_cast<uint32_t>(i), static_cast<uint32_t>(j) >> 4);
+    // dropout_byte selects its word (an index known only at run time would put the words in local memory).
+    return philox::dropout_byte(w, static_cast<uint32_t>(j) & 15u) >= threshold ? scale : 0.f;
   }
 };
+
+// Dropout's keep bits of the scores a thread holds: bit c of bits[r] for element (r, c) of a (row, col) view
+// whose tile-local coordinates coord_rc gives, at (row0, col0) in the sequence. The loop over columns stays
+// rolled: the Philox draws then keep few registers live, and the kernel around them its own (unrolled, they
+// spilled the sm80 forward at head dim 64). The caller applies the bits in its unrolled loops.
+template <int kRows, class Coords>
+__device__ __forceinline__ void dropout_bits(DropoutStream const& d, Coords const& coord_rc, int row0, int col0,
+                                             uint64_t (&bits)[kRows]) {
+  constexpr int kCols = decltype(size<1>(coord_rc))::value;
+  static_assert(kCols <= 64, "a thread's row of scores must fit the 64 bits of its mask");
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    uint64_t b = 0;
+#pragma unroll 1
+    for (int c = 0; c < kCols; ++c) {
+      const auto rc = coord_rc(r, c);
+      if (d.factor(row0 + get<0>(rc), col0 + get<1>(rc)) != 0.f) b |= uint64_t{1} << c;
+    }
+    bits[r] = b;
+  }
+}
 
 __device__ __forceinline__ int clamp_to_int(int64_t x) {
   return static_cast<int>(max<int64_t>(min<int64_t>(x, INT32_MAX), INT32_MIN));

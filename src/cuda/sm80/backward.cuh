@@ -340,13 +340,12 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
       // (docs/tuning-sm80.md, "Backward: the passes around the main kernel").
       Tensor s = rowcol(acc_s);
       Tensor dp = rowcol(acc_dp);
-      // With dropout (factor z of the element): P z for dV, and dS = P (dP z - D).
+      // With dropout (factor z of the element, from its keep bit): P z for dV, and dS = P (dP z - D).
+      uint64_t keep[kRows];
+      if (dropping) dropout_bits(dropout, coord_rc, m0 + coords.row_base, n0 + coords.col_base, keep);
       const auto p_and_ds = [&](int r, int c, float x, float dtanh) {
         const float pr = exp2_approx(fmaf(x, f, -lse2[r]));
-        float z = 1.f;
-        if (dropping) {
-          z = dropout.factor(m0 + coords.row_base + get<0>(coord_rc(r, c)), n0 + coords.col_base + get<1>(coord_rc(r, c)));
-        }
+        const float z = !dropping ? 1.f : (keep[r] >> c) & 1 ? dropout.scale : 0.f;
         s(r, c) = pr * z;
         dp(r, c) = pr * (dp(r, c) * z - dd[r]) * dtanh;
       };

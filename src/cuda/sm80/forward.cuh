@@ -219,13 +219,12 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
     }
     if (dropping) {
       // Dropout: P times its keep factors after the sum took it whole (lse stays undropped).
+      uint64_t keep[kRows];
+      dropout_bits(dropout, coord_rc, m0 + coords.row_base, n0 + coords.col_base, keep);
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         CUTE_UNROLL
-        for (int c = 0; c < size<1>(s); ++c) {
-          s(r, c) *= dropout.factor(m0 + coords.row_base + get<0>(coord_rc(r, c)),
-                                    n0 + coords.col_base + get<1>(coord_rc(r, c)));
-        }
+        for (int c = 0; c < size<1>(s); ++c) s(r, c) = (keep[r] >> c) & 1 ? s(r, c) * dropout.scale : 0.f;
       }
     }
     if (!T::kSkipSettledRescale || __any_sync(0xffffffffu, moved)) {
