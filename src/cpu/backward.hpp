@@ -52,7 +52,7 @@ struct BackwardScratch {
   struct PerThread {
     Pack* pack;
     T *dq, *s, *dp, *tanh;  // dQ accumulator (whole sequence), then tiles: P, dP/dS, tanh of softcap
-    T* z;                   // one row's dropout factors
+    T* z;                   // the tile's dropout factors
   };
   PerThread* threads = nullptr;
 
@@ -79,7 +79,7 @@ struct BackwardScratch {
       // The P tile doubles as the stage of W value rows (pack_backward_keys) and of one output row
       // (pack_backward_queries): at headdim_v 512 on AVX-512 the stage is exactly the tile's 8192 floats.
       PerThread pt{pack ? &pack[t < packs ? t : 0] : nullptr, a.take<T>(nq * ld), a.take<T>(smax(tile, W * dvp)),
-                   a.take<T>(tile), a.take<T>(tile), a.take<T>(Tiles::kBk)};
+                   a.take<T>(tile), a.take<T>(tile), a.take<T>(tile)};
       if (threads) threads[t] = pt;
     }
   }
@@ -209,13 +209,20 @@ inline void backward_tile(const Problem& p, const Sequence& seq, int64_t h, int6
   for (int64_t r = rows; r < Bq; ++r)  // padding rows: dS = 0 (their tanh entries were never written)
     for (int64_t c = 0; c < Bk; c += W) vstore(t.dp + r * Bk + c, V{});
   const DropoutDraw draw = dropout_draw(p);
+  if (dropping) {
+    if constexpr (std::is_same_v<T, float>) {
+      dropout_tile(draw, dropout_stream(p, seq, h), i0, rows, j0, Bk, t.z, Bk);
+    } else {
+      for (int64_t r = 0; r < rows; ++r) dropout_row<T>(draw, dropout_stream(p, seq, h), i0 + r, j0, Bk, t.z + r * Bk);
+    }
+  }
   for (int64_t r = 0; r < rows; ++r) {
+    const T* z = t.z + r * Bk;
     T* ds = t.dp + r * Bk;
     T* pr = t.s + r * Bk;
     const T delta = pk.delta[i0 + r];
     if (dropping) {
-      dropout_row<T>(draw, dropout_stream(p, seq, h), i0 + r, j0, Bk, t.z);
-      for (int64_t c = 0; c < Bk; c += W) vstore(ds + c, vload(ds + c) * vload(t.z + c));
+      for (int64_t c = 0; c < Bk; c += W) vstore(ds + c, vload(ds + c) * vload(z + c));
     }
     if (shape.softcap > 0) {
       const T* th = t.tanh + r * Bk;
@@ -231,7 +238,7 @@ inline void backward_tile(const Problem& p, const Sequence& seq, int64_t h, int6
       fill_outside<T>(ds, Bk, keys.first - j0, keys.last - j0, T(0));
     }
     if (dropping)
-      for (int64_t c = 0; c < Bk; c += W) vstore(pr + c, vload(pr + c) * vload(t.z + c));
+      for (int64_t c = 0; c < Bk; c += W) vstore(pr + c, vload(pr + c) * vload(z + c));
   }
   if (dropping) gemm_tile<T, true, true>(Bk, dvp, Bq, t.s, Bk, dout, ldv, pk.dv + j0 * ldv, ldv);  // dV += (P z)^T dO
   gemm_tile<T, true, true>(Bk, dp, Bq, t.dp, Bk, q, ld, pk.dk + j0 * ld, ld);        // dK += dS^T Q

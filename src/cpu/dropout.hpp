@@ -91,11 +91,11 @@ inline uint32_t dropout_stream(const Problem& p, const Sequence& seq, int64_t h)
   return static_cast<uint32_t>(seq.b * p.nheads + h);
 }
 
-// Lane l's 16 bytes (words w0..w3, little-endian) decide keys 16 l .. 16 l + 15 of a batch: stores the first
-// n factors (n a multiple of the float vector width, at most 16 * kPhiloxLanes) in key order. The AVX2 and AVX-512 forms transpose the words across lanes in
-// registers (unpacks within 128-bit lanes, then whole 128-bit lanes moved), so that each vector's bytes are
-// consecutive keys, compare the bytes at once and expand the keep bits into factors.
-inline void store_factors(const PhiloxLanes& r, uint32_t threshold, float kept, float* z, int64_t n) {
+// Lane l's 16 bytes (words w0..w3, little-endian) decide 16 consecutive keys: stores their factors at
+// dst[l] (16 floats; lanes with a null dst are skipped). The AVX2 and AVX-512 forms transpose the words across
+// lanes in registers (unpacks within 128-bit lanes, then whole 128-bit lanes moved), so that each vector's
+// bytes are whole lanes in order, compare the bytes at once and expand the keep bits into factors.
+inline void store_factors(const PhiloxLanes& r, uint32_t threshold, float kept, float* const* dst) {
 #if FLARE_VEC_BYTES == 64 && defined(__AVX512F__)
   // The maskz forms with every lane set, as in mulhilo.
   constexpr __mmask16 kAll = 0xFFFF;
@@ -106,7 +106,7 @@ inline void store_factors(const PhiloxLanes& r, uint32_t threshold, float kept, 
   // q_s, 128-bit lane k: the four words of lane (group) 4k + s.
   const __m512i q0 = _mm512_maskz_unpacklo_epi64(kAll64, a, c), q1 = _mm512_maskz_unpackhi_epi64(kAll64, a, c);
   const __m512i q2 = _mm512_maskz_unpacklo_epi64(kAll64, b, e), q3 = _mm512_maskz_unpackhi_epi64(kAll64, b, e);
-  // Whole 128-bit lanes moved: out[q], lane t = q_t's lane q (a 4 x 4 transpose of lanes): groups 4q .. 4q + 3.
+  // Whole 128-bit lanes moved: out[x], 128-bit lane t = q_t's lane x (a 4 x 4 transpose): lanes 4x .. 4x + 3.
   const __m512i t0 = _mm512_maskz_shuffle_i32x4(kAll, q0, q1, _MM_SHUFFLE(1, 0, 1, 0));
   const __m512i t1 = _mm512_maskz_shuffle_i32x4(kAll, q2, q3, _MM_SHUFFLE(1, 0, 1, 0));
   const __m512i t2 = _mm512_maskz_shuffle_i32x4(kAll, q0, q1, _MM_SHUFFLE(3, 2, 3, 2));
@@ -117,10 +117,13 @@ inline void store_factors(const PhiloxLanes& r, uint32_t threshold, float kept, 
                           _mm512_maskz_shuffle_i32x4(kAll, t2, t3, _MM_SHUFFLE(3, 1, 3, 1))};
   const __m512i thr = _mm512_set1_epi8(static_cast<char>(threshold));
   const __m512 k = _mm512_set1_ps(kept);
-  for (int x = 0; x < 4 && 64 * x < n; ++x) {
-    const __mmask64 keep = _mm512_cmpge_epu8_mask(out[x], thr);  // 64 keys, one bit each
-    for (int y = 0; y < 4 && 64 * x + 16 * y < n; ++y) {
-      _mm512_storeu_ps(z + 64 * x + 16 * y, _mm512_maskz_mov_ps(static_cast<__mmask16>(keep >> (16 * y)), k));
+  for (int x = 0; x < 4; ++x) {
+    if (!dst[4 * x] && !dst[4 * x + 1] && !dst[4 * x + 2] && !dst[4 * x + 3]) continue;
+    const __mmask64 keep = _mm512_cmpge_epu8_mask(out[x], thr);  // 4 lanes x 16 keys, one bit each
+    for (int y = 0; y < 4; ++y) {
+      if (float* to = dst[4 * x + y]) {
+        _mm512_storeu_ps(to, _mm512_maskz_mov_ps(static_cast<__mmask16>(keep >> (16 * y)), k));
+      }
     }
   }
 #elif FLARE_VEC_BYTES == 32 && defined(__AVX2__)
@@ -129,52 +132,86 @@ inline void store_factors(const PhiloxLanes& r, uint32_t threshold, float kept, 
   const __m256i c = _mm256_unpacklo_epi32(w(2), w(3)), e = _mm256_unpackhi_epi32(w(2), w(3));
   const __m256i q0 = _mm256_unpacklo_epi64(a, c), q1 = _mm256_unpackhi_epi64(a, c);
   const __m256i q2 = _mm256_unpacklo_epi64(b, e), q3 = _mm256_unpackhi_epi64(b, e);
-  // out[x]: groups 2x, 2x + 1, their bytes in key order.
+  // out[x]: lanes 2x, 2x + 1, their bytes in key order.
   const __m256i out[4] = {_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q2, q3, 0x20),
                           _mm256_permute2x128_si256(q0, q1, 0x31), _mm256_permute2x128_si256(q2, q3, 0x31)};
   const __m256i thr = _mm256_set1_epi8(static_cast<char>(threshold));
   const __m256 k = _mm256_set1_ps(kept);
   const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-  for (int x = 0; x < 4 && 32 * x < n; ++x) {
+  for (int x = 0; x < 4; ++x) {
+    if (!dst[2 * x] && !dst[2 * x + 1]) continue;
     const __m256i ge = _mm256_cmpeq_epi8(_mm256_max_epu8(out[x], thr), out[x]);  // byte >= threshold
-    const uint32_t keep = static_cast<uint32_t>(_mm256_movemask_epi8(ge));     // 32 keys, one bit each
-    for (int y = 0; y < 4 && 32 * x + 8 * y < n; ++y) {
+    const uint32_t keep = static_cast<uint32_t>(_mm256_movemask_epi8(ge));     // 2 lanes x 16 keys
+    for (int y = 0; y < 4; ++y) {
+      float* to = dst[2 * x + y / 2];
+      if (!to) continue;
       const __m256i lanes = _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(keep >> (8 * y))), bit);
       const __m256 on = _mm256_castsi256_ps(_mm256_cmpeq_epi32(lanes, bit));
-      _mm256_storeu_ps(z + 32 * x + 8 * y, _mm256_and_ps(on, k));
+      _mm256_storeu_ps(to + 8 * (y % 2), _mm256_and_ps(on, k));
     }
   }
 #else
-  for (int64_t x = 0; x < n; ++x) {
-    const uint32_t byte = (r.w[(x % 16) / 4][x / 16] >> (8 * (x % 4))) & 0xFFu;
-    z[x] = byte >= threshold ? kept : 0.0f;
+  for (int l = 0; l < kPhiloxLanes; ++l) {
+    if (!dst[l]) continue;
+    for (int x = 0; x < 16; ++x) dst[l][x] = ((r.w[x / 4][l] >> (8 * (x % 4))) & 0xFFu) >= threshold ? kept : 0.0f;
   }
 #endif
+}
+
+// The factors of a tile: z[r * ld + c] for (query i0 + r, key j0 + c), r < rows, c < cols; j0 % 16 == 0 and
+// cols % 16 == 0. Each lane draws one (row, 16 keys) piece, so rows of few key groups share a draw's lanes (a
+// 128-key block fills the 16 lanes of AVX-512 with two rows).
+inline void dropout_tile(const DropoutDraw& d, uint32_t stream, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
+                         float* z, int64_t ld) {
+  const int64_t groups = cols / 16, pieces = rows * groups;
+  const float kept = static_cast<float>(d.scale);
+  // The counters of a batch's lanes: piece p is (row p / groups, group p % groups). When a batch holds whole
+  // rows (groups divides kPhiloxLanes) or rows hold whole batches (the reverse), the pattern repeats from
+  // batch to batch: it is set up once and moved along by vector adds.
+  const bool periodic = kPhiloxLanes % groups == 0 || groups % kPhiloxLanes == 0;
+  PhiloxLanes ctr;
+  ctr.w[2] = PhiloxU32{} + stream;
+  ctr.w[3] = PhiloxU32{} + d.key.offset;
+  for (int l = 0; l < kPhiloxLanes; ++l) {
+    ctr.w[0][l] = static_cast<uint32_t>(j0 / 16 + l % groups);
+    ctr.w[1][l] = static_cast<uint32_t>(i0 + l / groups);
+  }
+  for (int64_t p0 = 0; p0 < pieces; p0 += kPhiloxLanes) {
+    float* dst[kPhiloxLanes];
+    for (int l = 0; l < kPhiloxLanes; ++l) {
+      const int64_t p = p0 + l;
+      dst[l] = p < pieces ? z + (p / groups) * ld + 16 * (p % groups) : nullptr;
+      if (!periodic) {
+        ctr.w[0][l] = static_cast<uint32_t>(j0 / 16 + p % groups);
+        ctr.w[1][l] = static_cast<uint32_t>(i0 + p / groups);
+      }
+    }
+    store_factors(philox_lanes(ctr, d.key.k0, d.key.k1), d.threshold, kept, dst);
+    if (periodic) {
+      if (kPhiloxLanes % groups == 0) {
+        ctr.w[1] += static_cast<uint32_t>(kPhiloxLanes / groups);  // the next batch's rows
+      } else if ((p0 + kPhiloxLanes) % groups == 0) {
+        ctr.w[0] -= static_cast<uint32_t>(groups - kPhiloxLanes);  // back to the first group, next row
+        ctr.w[1] += 1u;
+      } else {
+        ctr.w[0] += static_cast<uint32_t>(kPhiloxLanes);
+      }
+    }
+  }
 }
 
 // z[c] = the factor of (query i, key j0 + c) for c < n: scale where kept, 0 where dropped. j0 % 16 == 0.
 template <class T>
 inline void dropout_row(const DropoutDraw& d, uint32_t stream, int64_t i, int64_t j0, int64_t n, T* z) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (n % 16 == 0) return dropout_tile(d, stream, i, 1, j0, n, z, n);
+  }
   const T kept = static_cast<T>(d.scale);
-  const uint32_t g0 = static_cast<uint32_t>(j0 / 16);
-  for (int64_t c0 = 0; c0 < n; c0 += 16 * kPhiloxLanes) {
-    PhiloxLanes ctr;
-    ctr.w[0] = philox_iota(g0 + static_cast<uint32_t>(c0 / 16));
-    ctr.w[1] = PhiloxU32{} + static_cast<uint32_t>(i);
-    ctr.w[2] = PhiloxU32{} + stream;
-    ctr.w[3] = PhiloxU32{} + d.key.offset;
-    const PhiloxLanes r = philox_lanes(ctr, d.key.k0, d.key.k1);
-    const int64_t end = smin<int64_t>(16 * kPhiloxLanes, n - c0);
-    if constexpr (std::is_same_v<T, float>) {
-      if (end % (FLARE_VEC_BYTES / 4) == 0) {  // whole vectors of factors (every engine's key blocks)
-        store_factors(r, d.threshold, kept, z + c0, end);
-        continue;
-      }
-    }
-    for (int64_t x = 0; x < end; ++x) {
-      const uint32_t byte = (r.w[(x % 16) / 4][x / 16] >> (8 * (x % 4))) & 0xFFu;
-      z[c0 + x] = byte >= d.threshold ? kept : T(0);
-    }
+  for (int64_t c0 = 0; c0 < n; c0 += 16) {
+    const philox::Words w = philox::dropout_words(d.key, stream, static_cast<uint32_t>(i),
+                                                  static_cast<uint32_t>((j0 + c0) / 16));
+    for (int64_t x = 0; x < 16 && c0 + x < n; ++x)
+      z[c0 + x] = philox::dropout_byte(w, static_cast<uint32_t>(x)) >= d.threshold ? kept : T(0);
   }
 }
 

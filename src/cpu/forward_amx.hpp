@@ -26,7 +26,7 @@ struct AmxForward {
       float* o;
       float* m;
       float* l;
-      float* z;  // one row's dropout factors, kBk
+      float* z;  // the tile's dropout factors, kBq x kBk
     };
     PerThread* threads = nullptr;
 
@@ -45,7 +45,7 @@ struct AmxForward {
                                  : threads ? threads[0].vpack : nullptr;
         uint8_t* vf = t < packs ? a.take<uint8_t>(nkb * kBk) : threads ? threads[0].v_flags : nullptr;
         PerThread pt{kp, vp, vf, a.take<uint16_t>(kBq * dpad), a.take<float>(kBq * kBk), a.take<uint16_t>(kBq * kBk),
-                     a.take<float>(kBq * dvpad), a.take<float>(kBq), a.take<float>(kBq), a.take<float>(kBk)};
+                     a.take<float>(kBq * dvpad), a.take<float>(kBq), a.take<float>(kBq), a.take<float>(kBq * kBk)};
         if (threads) threads[t] = pt;
       }
     }
@@ -117,6 +117,7 @@ struct AmxForward {
         shape_scores<float>(t.s, kBk, rows, cols, i0, j0, mask, shape, nullptr);
         row_scale = 1.0f;
       }
+      if (dropping) dropout_tile(draw, stream, i0, rows, j0, cols, t.z, kBk);
       for (int64_t r = 0; r < row_blocks * 32; ++r) {
         uint16_t* prow = t.p + r * kBk;
         if (r >= rows) {
@@ -124,9 +125,9 @@ struct AmxForward {
           continue;
         }
         // P is written 32 columns at a time (Bf16PairWriter): cols is a multiple of 32.
-        if (dropping) dropout_row<float>(draw, stream, i0 + r, j0, cols, t.z);
         const float alpha = online_softmax_row<float>(t.s + r * kBk, cols, row_scale, t.m[r], t.l[r],
-                                                      Bf16PairWriter(prow, dropping ? t.z : nullptr), RowExpBf16{});
+                                                      Bf16PairWriter(prow, dropping ? t.z + r * kBk : nullptr),
+                                                      RowExpBf16{});
         if (alpha != 1.0f) scale_row<float>(t.o + r * dvpad, dvpad, alpha);
       }
       amx_gemm<true>(row_blocks * 32, dvpad, cols, t.p, kBk, vblock, kBk / 32, 0, 0, t.o, dvpad);  // O += P V

@@ -32,7 +32,7 @@ struct DotForward {
       uint16_t* p;      // probabilities in bf16, kBq x kBk
       float* o;         // output accumulator, kBq x dvpad
       float *m, *l;     // running max and sum
-      float* z;         // one row's dropout factors, kBk
+      float* z;         // the tile's dropout factors, kBq x kBk
     };
     PerThread* threads = nullptr;
 
@@ -50,7 +50,7 @@ struct DotForward {
         uint32_t* vp = t < packs ? a.take<uint32_t>(nkb * (kBk / 2) * ldv) : threads ? threads[0].vpack : nullptr;
         uint8_t* vf = t < packs ? a.take<uint8_t>(nkb * kBk) : threads ? threads[0].v_flags : nullptr;
         PerThread pt{kp, vp, vf, a.take<uint32_t>(kBq * dpairs), a.take<float>(kBq * kBk), a.take<uint16_t>(kBq * kBk),
-                     a.take<float>(kBq * dvpad), a.take<float>(kBq), a.take<float>(kBq), a.take<float>(kBk)};
+                     a.take<float>(kBq * dvpad), a.take<float>(kBq), a.take<float>(kBq), a.take<float>(kBq * kBk)};
         if (threads) threads[t] = pt;
       }
     }
@@ -117,10 +117,10 @@ struct DotForward {
         shape_scores<float>(t.s, kBk, rows, cols, i0, j0, mask, shape, nullptr);
         row_scale = 1.0f;
       }
+      if (dropping) dropout_tile(draw, stream, i0, rows, j0, cols, t.z, kBk);
       for (int64_t r = 0; r < rows; ++r) {
-        if (dropping) dropout_row<float>(draw, stream, i0 + r, j0, cols, t.z);
         const float alpha = online_softmax_row<float>(t.s + r * kBk, cols, row_scale, t.m[r], t.l[r],
-                                                      Bf16PairWriter(t.p + r * kBk, dropping ? t.z : nullptr),
+                                                      Bf16PairWriter(t.p + r * kBk, dropping ? t.z + r * kBk : nullptr),
                                                       RowExpBf16{});
         if (alpha != 1.0f) scale_row<float>(t.o + r * dvpad, dvpad, alpha);
       }
