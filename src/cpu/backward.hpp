@@ -29,15 +29,25 @@
 
 namespace flare::cpu::FLARE_ISA {
 
-template <class T>
+// Tile shapes of the FMA backward, by head width (HeadWidth, cpu_backend.hpp).
+template <class T, HeadWidth Width = HeadWidth::kNarrow>
 struct BackwardTiles {
+  static constexpr bool kNarrow = Width == HeadWidth::kNarrow;
   static constexpr int64_t kBq = 64;
-  // 128 keys: dQ += dS K runs a k loop of 128 and each K^T / V^T panel serves twice the rows; measured ~5%
-  // ahead of 64 at head dim 128 from seqlen 1024 on (and ~2% behind at 512).
-  static constexpr int64_t kBk = 128;
+  // Narrow heads, 128 keys: dQ += dS K runs a k loop of 128 and each K^T / V^T panel serves twice the rows;
+  // measured ~5% ahead of 64 at head dim 128 from seqlen 1024 on (and ~2% behind at 512). Wide heads, 64:
+  // a block of 128 keys at head dim 512 is K rows, K^T, V^T, dK and dV of 256 KB each, 1.3 MB before the
+  // query tile's Q, dO and dQ (400 KB) join it.
+  static constexpr int64_t kBk = kNarrow ? 128 : 64;
+  // Key blocks per visit of a query tile: its Q, dO and dQ rows, which stream from L3 at long sequences,
+  // are read once for all of them. Narrow heads, four: measured on Zen 4, head dim 128, +5-8% at seqlen 8192
+  // against one block per visit, within 2% at 512-1024. Wide heads, one: the block's 650 KB then stay in L2
+  // while the query tiles pass; at head dim 512 a tile's rows are wide enough to be worth their stream
+  // (Sapphire Rapids, fp32, one thread: +19% at seqlen 1024, level at 2048; docs/tuning-cpu.md).
+  static constexpr int64_t kKeyBlocksPerStep = kNarrow ? 4 : 1;
 };
 
-template <class T>
+template <class T, class Tiles>
 struct BackwardScratch {
   int64_t dp = 0, dvp = 0;  // head dims padded to the vector width: the width of every product
   int64_t ld = 0, ldv = 0;  // row strides of K, Q, dK, dQ (ld) and dO, dV (ldv): padded_ld, B operands
@@ -57,7 +67,6 @@ struct BackwardScratch {
   PerThread* threads = nullptr;
 
   void layout(Arena& a, const Problem& p, int nt) {
-    using Tiles = BackwardTiles<T>;
     constexpr int W = Simd<T>::W;
     dp = round_up(p.headdim, W);
     dvp = round_up(p.headdim_v, W);
@@ -89,11 +98,11 @@ struct BackwardScratch {
 // V^T are transposed W keys at a time (transpose_square): K from its packed rows; V straight from the input
 // when it is stored in the compute type, densely, with whole vectors per row, else from rows staged in the
 // scores tile.
-template <class T>
+template <class T, class Tiles>
 inline void pack_backward_keys(const Problem& p, const RowPtr& krows, const RowPtr& vrows, int64_t seqlen_k,
-                               int64_t kb, const BackwardScratch<T>& ws,
-                               const typename BackwardScratch<T>::PerThread& t) {
-  constexpr int64_t Bk = BackwardTiles<T>::kBk;
+                               int64_t kb, const BackwardScratch<T, Tiles>& ws,
+                               const typename BackwardScratch<T, Tiles>::PerThread& t) {
+  constexpr int64_t Bk = Tiles::kBk;
   constexpr int W = Simd<T>::W;
   constexpr int64_t w = kPanelCols<T>;
   const int64_t d = p.headdim, dv = p.headdim_v;
@@ -139,11 +148,11 @@ inline void pack_backward_keys(const Problem& p, const RowPtr& krows, const RowP
 
 // Packs query tile qt of head h: scaled Q, dO, D = rowsum(dO * O) and lse (rows that see no key, and
 // padding rows, get lse = +inf so that P = exp(S - lse) is 0 there).
-template <class T>
+template <class T, class Tiles>
 inline void pack_backward_queries(const Problem& p, const Sequence& seq, int64_t h, int64_t qt,
-                                  const BackwardScratch<T>& ws,
-                                  const typename BackwardScratch<T>::PerThread& t) {
-  constexpr int64_t Bq = BackwardTiles<T>::kBq;
+                                  const BackwardScratch<T, Tiles>& ws,
+                                  const typename BackwardScratch<T, Tiles>::PerThread& t) {
+  constexpr int64_t Bq = Tiles::kBq;
   const auto& pk = *t.pack;
   T* row_buf = t.s;
   const int64_t d = p.headdim, dv = p.headdim_v;
@@ -178,12 +187,12 @@ inline void pack_backward_queries(const Problem& p, const Sequence& seq, int64_t
 }
 
 // Key block kb against query tile qt: accumulates dK/dV of the block and this thread's dQ of the tile.
-template <class T>
+template <class T, class Tiles>
 inline void backward_tile(const Problem& p, const Sequence& seq, int64_t h, int64_t kb, int64_t qt,
-                          const BackwardScratch<T>& ws, const typename BackwardScratch<T>::PerThread& t) {
+                          const BackwardScratch<T, Tiles>& ws, const typename BackwardScratch<T, Tiles>::PerThread& t) {
   using V = vec_t<T>;
   constexpr int W = Simd<T>::W;
-  constexpr int64_t Bq = BackwardTiles<T>::kBq, Bk = BackwardTiles<T>::kBk;
+  constexpr int64_t Bq = Tiles::kBq, Bk = Tiles::kBk;
   const int64_t d = p.headdim, dv = p.headdim_v, dp = ws.dp, dvp = ws.dvp, ld = ws.ld, ldv = ws.ldv;
   const int64_t i0 = qt * Bq, j0 = kb * Bk;
   const int64_t rows = smin(Bq, seq.seqlen_q - i0);
@@ -246,24 +255,22 @@ inline void backward_tile(const Problem& p, const Sequence& seq, int64_t h, int6
   add_seen_nonfinite_keys<T>(p, seq, h, pk.k_flags + j0, j0, Bk, i0, rows, t.dp, Bk, t.dq + i0 * ld, ld);
 }
 
-// The fp32/fp64 FMA engine: what run_backward needs from a compute path.
-template <class T>
+// The fp32/fp64 FMA engine: what run_backward needs from a compute path. One instantiation per head width.
+template <class T, HeadWidth Width = HeadWidth::kNarrow>
 struct FmaBackward {
-  using Scratch = BackwardScratch<T>;
-  static constexpr int64_t kBq = BackwardTiles<T>::kBq, kBk = BackwardTiles<T>::kBk;
-  // Four key blocks per visit of a query tile: its Q, dO and dQ rows, which stream from L3 at long
-  // sequences, are read once for four blocks. Measured on Zen 4, head dim 128: +5-8% at seqlen 8192
-  // against one block per visit, within 2% at 512-1024.
-  static constexpr int64_t kKeyBlocksPerStep = 4;
+  using Tiles = BackwardTiles<T, Width>;
+  using Scratch = BackwardScratch<T, Tiles>;
+  static constexpr int64_t kBq = Tiles::kBq, kBk = Tiles::kBk;
+  static constexpr int64_t kKeyBlocksPerStep = Tiles::kKeyBlocksPerStep;
   static void thread_begin() {}
   static void thread_end() {}
   static void pack_keys(const Problem& p, const Sequence& seq, int64_t hk, int64_t kb, const Scratch& ws, int tid) {
-    pack_backward_keys<T>(p, key_rows(p, p.k, seq, hk), key_rows(p, p.v, seq, hk), seq.seqlen_k, kb, ws,
+    pack_backward_keys<T, Tiles>(p, key_rows(p, p.k, seq, hk), key_rows(p, p.v, seq, hk), seq.seqlen_k, kb, ws,
                           ws.threads[tid]);
   }
   static void pack_queries(const Problem& p, const Sequence& seq, int64_t h, int64_t qt, const Scratch& ws,
                            int tid) {
-    pack_backward_queries<T>(p, seq, h, qt, ws, ws.threads[tid]);
+    pack_backward_queries<T, Tiles>(p, seq, h, qt, ws, ws.threads[tid]);
   }
   static void clear_dq(const Sequence& seq, const Scratch& ws, int tid) {
     using V = vec_t<T>;
@@ -273,7 +280,7 @@ struct FmaBackward {
   }
   static void tile(const Problem& p, const Sequence& seq, int64_t h, int64_t kb, int64_t qt, const Scratch& ws,
                    int tid) {
-    backward_tile<T>(p, seq, h, kb, qt, ws, ws.threads[tid]);
+    backward_tile<T, Tiles>(p, seq, h, kb, qt, ws, ws.threads[tid]);
   }
   // dq row i = scale * (this thread's dQ, or with Shared the sum of the team's buffers in thread order).
   template <bool Shared>
@@ -358,6 +365,21 @@ inline void run_backward(const Problem& p, void* scratch, int nt) {
     backward_group<Engine, decltype(shared)::value>(p, seq, hk, ws, tid, nt);
   });
   sink_gradient(p, nt);
+}
+
+// The FMA backward of compute type T with the tile shapes of the problem's head width.
+template <class T>
+inline size_t fma_backward_scratch(const Problem& p, int nt) {
+  return head_width(p) == HeadWidth::kWide ? scratch_bytes<FmaBackward<T, HeadWidth::kWide>>(p, nt)
+                                           : scratch_bytes<FmaBackward<T>>(p, nt);
+}
+template <class T>
+inline void fma_backward(const Problem& p, void* scratch, int nt) {
+  if (head_width(p) == HeadWidth::kWide) {
+    run_backward<FmaBackward<T, HeadWidth::kWide>>(p, scratch, nt);
+  } else {
+    run_backward<FmaBackward<T>>(p, scratch, nt);
+  }
 }
 
 }  // namespace flare::cpu::FLARE_ISA

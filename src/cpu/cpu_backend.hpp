@@ -20,6 +20,15 @@ inline constexpr int64_t kMaxHeaddim = 576;
 inline constexpr int64_t kMaxHeaddimV = 512;
 static_assert(kMaxHeaddimV <= kMaxHeaddim, "rows sized kMaxHeaddim hold a head of either width");
 
+// The FMA engines (forward.hpp, backward.hpp) have tile shapes for heads up to kNarrowHeaddim and for wider
+// ones, each its own instantiation: a tile tuned at head dim 128 keeps K, V and Q blocks that overflow L2 at
+// 512, and a tile cut for 512 would slow the common narrow heads.
+inline constexpr int64_t kNarrowHeaddim = 256;
+enum class HeadWidth { kNarrow, kWide };
+inline HeadWidth head_width(const detail::Problem& p) {
+  return p.headdim > kNarrowHeaddim || p.headdim_v > kNarrowHeaddim ? HeadWidth::kWide : HeadWidth::kNarrow;
+}
+
 flare_status forward(const detail::Problem& p);
 flare_status backward(const detail::Problem& p);
 // Appends k_new/v_new (rotated if asked) into the cache, then attends q (rotated if asked) to it.

@@ -14,6 +14,7 @@
 #include <cmath>
 
 #include "cpu/arena.hpp"
+#include "cpu/cpu_backend.hpp"
 #include "cpu/dropout.hpp"
 #include "cpu/groups.hpp"
 #include "cpu/score_tile.hpp"
@@ -23,13 +24,17 @@
 
 namespace flare::cpu::FLARE_ISA {
 
-template <class T>
+// Tile shapes of the FMA forward, by head width (HeadWidth, cpu_backend.hpp).
+template <class T, HeadWidth Width = HeadWidth::kNarrow>
 struct ForwardTiles {
   static constexpr int64_t kBq = 64;   // query rows per tile
-  // Keys per block (a multiple of every vector width). 256 against 128: the per-block costs of each row
-  // (the softmax's reductions, the rescale test, the output's load and store around P V) are paid half as
-  // often; +0.6-1.6% on fp32 at 512-2048, causal included (Zen 4).
-  static constexpr int64_t kBk = 256;
+  // Keys per block (a multiple of every vector width). Narrow heads, 256 against 128: the per-block costs of
+  // each row (the softmax's reductions, the rescale test, the output's load and store around P V) are paid
+  // half as often; +0.6-1.6% on fp32 at 512-2048, causal included (Zen 4). Wide heads, 128: at head dim 512
+  // a block of 256 keys packs 512 KB of K^T and 512 KB of V, and with the two visiting tiles' Q and output
+  // (256 KB each) a thread works on 1.6 MB, most of a 2 MB L2 and more than its share where two threads
+  // share one; 128 keys bring that to 1 MB (docs/tuning-cpu.md).
+  static constexpr int64_t kBk = Width == HeadWidth::kNarrow ? 256 : 128;
   // Query tiles that visit each key block together (one task): a block's packed K and V, which stream from
   // L3 once a head's pack outgrows L2 (1024 keys at head dim 128), are then read once for two tiles. Each
   // tile keeps its own visible range, so causal diagonals cost what they cost with single tiles. Measured
@@ -37,7 +42,7 @@ struct ForwardTiles {
   static constexpr int64_t kTilesPerVisit = 2;
 };
 
-template <class T>
+template <class T, class Tiles>
 struct ForwardScratch {
   int64_t dp = 0, dvp = 0;  // head dims padded to the vector width
   struct PerThread {
@@ -53,7 +58,6 @@ struct ForwardScratch {
   PerThread* threads = nullptr;
 
   void layout(Arena& a, const Problem& p, int nt) {
-    using Tiles = ForwardTiles<T>;
     constexpr int W = Simd<T>::W;
     dp = round_up(p.headdim, W);
     dvp = round_up(p.headdim_v, W);
@@ -83,15 +87,15 @@ struct ForwardScratch {
 };
 
 // The packed K^T and V of key block kb, as B operands of S = Q K^T and O += P V.
-template <class T>
-inline PanelsB<T> key_panels(const Problem& p, const typename ForwardScratch<T>::PerThread& t, int64_t kb) {
-  constexpr int64_t Bk = ForwardTiles<T>::kBk;
+template <class T, class Tiles>
+inline PanelsB<T> key_panels(const Problem& p, const typename ForwardScratch<T, Tiles>::PerThread& t, int64_t kb) {
+  constexpr int64_t Bk = Tiles::kBk;
   return {t.kt + kb * p.headdim * Bk, p.headdim, Bk};
 }
-template <class T>
-inline PanelsB<T> value_panels(const ForwardScratch<T>& ws, const typename ForwardScratch<T>::PerThread& t,
-                               int64_t kb) {
-  constexpr int64_t Bk = ForwardTiles<T>::kBk;
+template <class T, class Tiles>
+inline PanelsB<T> value_panels(const ForwardScratch<T, Tiles>& ws,
+                               const typename ForwardScratch<T, Tiles>::PerThread& t, int64_t kb) {
+  constexpr int64_t Bk = Tiles::kBk;
   return {t.v + kb * Bk * ws.dvp, Bk, ws.dvp};
 }
 
@@ -99,10 +103,11 @@ inline PanelsB<T> value_panels(const ForwardScratch<T>& ws, const typename Forwa
 // K is transposed W keys at a time (transpose_square): straight from the input when it is stored in the
 // compute type, densely, with whole vectors per row; else from rows converted into the scores tile. V rows
 // are converted straight into their panel pieces.
-template <class T>
+template <class T, class Tiles>
 inline void pack_key_block(const Problem& p, const RowPtr& krows, const RowPtr& vrows, int64_t seqlen_k,
-                           int64_t kb, const ForwardScratch<T>& ws, const typename ForwardScratch<T>::PerThread& t) {
-  constexpr int64_t Bk = ForwardTiles<T>::kBk;
+                           int64_t kb, const ForwardScratch<T, Tiles>& ws,
+                           const typename ForwardScratch<T, Tiles>::PerThread& t) {
+  constexpr int64_t Bk = Tiles::kBk;
   constexpr int W = Simd<T>::W;
   constexpr int64_t w = kPanelCols<T>;
   const int64_t d = p.headdim, dv = p.headdim_v, dp = ws.dp, dvp = ws.dvp, es = dtype_size(p.dtype);
@@ -216,12 +221,12 @@ inline void finish_rows(const Problem& p, T* o, int64_t ldo, const T* m, const T
 // sequence end are skipped) of head h, each against every key block it sees, the tiles taking each key
 // block in turn. Against one tile per task: +3-5% at seqlen 8192 and level at 512-2048, causal too (Zen 4,
 // hd 128).
-template <class T>
+template <class T, class Tiles>
 inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int64_t i0, int64_t ntiles_wanted,
-                          const ForwardScratch<T>& ws, const typename ForwardScratch<T>::PerThread& t) {
+                          const ForwardScratch<T, Tiles>& ws, const typename ForwardScratch<T, Tiles>::PerThread& t) {
   using V = vec_t<T>;
   constexpr int W = Simd<T>::W;
-  constexpr int64_t Bq = ForwardTiles<T>::kBq, Bk = ForwardTiles<T>::kBk, G = ForwardTiles<T>::kTilesPerVisit;
+  constexpr int64_t Bq = Tiles::kBq, Bk = Tiles::kBk, G = Tiles::kTilesPerVisit;
   const int64_t d = p.headdim, dp = ws.dp, dvp = ws.dvp;
   const policy::WindowMask mask = seq.mask(p);
   const RowPtr qrows = query_rows(p, p.q, seq, h);
@@ -282,7 +287,7 @@ inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int6
       if (first > last || kb < first / Bk || kb > last / Bk) continue;
       // The last block is cut after the last visible key (causal diagonals, short sequences).
       const int64_t cols = smin(Bk, round_up(last + 1 - j0, W));
-      gemm_tile_panels<T, false>(in_place ? rows : Bq, cols, d, tl.q, ldq, key_panels<T>(p, t, kb), t.s, Bk);
+      gemm_tile_panels<T, false>(in_place ? rows : Bq, cols, d, tl.q, ldq, key_panels<T, Tiles>(p, t, kb), t.s, Bk);
       if (!plain || !block_fully_visible(mask, tl.i0, rows, j0, cols))
         shape_scores<T>(t.s, Bk, rows, cols, tl.i0, j0, mask, shape, nullptr);
       for (int64_t r = 0; r < rows; ++r) {
@@ -297,9 +302,9 @@ inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int6
       for (int64_t r = rows; r < Bq; ++r)
         for (int64_t c = 0; c < cols; c += W) vstore(t.p + r * Bk + c, V{});
       if (tl.started) {
-        gemm_tile_panels<T, true>(Bq, dvp, cols, t.p, Bk, value_panels<T>(ws, t, kb), tl.o, dvp);
+        gemm_tile_panels<T, true>(Bq, dvp, cols, t.p, Bk, value_panels<T, Tiles>(ws, t, kb), tl.o, dvp);
       } else {
-        gemm_tile_panels<T, false>(Bq, dvp, cols, t.p, Bk, value_panels<T>(ws, t, kb), tl.o, dvp);
+        gemm_tile_panels<T, false>(Bq, dvp, cols, t.p, Bk, value_panels<T, Tiles>(ws, t, kb), tl.o, dvp);
         tl.started = true;
       }
       add_seen_nonfinite_values<T>(p, seq, h, t.v_flags + j0, j0, cols, tl.i0, rows, tl.o, dvp);
@@ -311,22 +316,23 @@ inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int6
                    sink_of(p, h));
 }
 
-// The fp32/fp64 FMA engine: what run_forward needs from a compute path.
-template <class T>
+// The fp32/fp64 FMA engine: what run_forward needs from a compute path. One instantiation per head width.
+template <class T, HeadWidth Width = HeadWidth::kNarrow>
 struct FmaForward {
-  using Scratch = ForwardScratch<T>;
-  static constexpr int64_t kBq = ForwardTiles<T>::kBq, kBk = ForwardTiles<T>::kBk;
-  static constexpr int64_t kTilesPerVisit = ForwardTiles<T>::kTilesPerVisit;
+  using Tiles = ForwardTiles<T, Width>;
+  using Scratch = ForwardScratch<T, Tiles>;
+  static constexpr int64_t kBq = Tiles::kBq, kBk = Tiles::kBk;
+  static constexpr int64_t kTilesPerVisit = Tiles::kTilesPerVisit;
   static void thread_begin() {}
   static void thread_end() {}
   static void pack(const Problem& p, const RowPtr& k, const RowPtr& v, int64_t seqlen_k, int64_t kb,
                    const Scratch& ws, int tid) {
-    pack_key_block<T>(p, k, v, seqlen_k, kb, ws, ws.threads[tid]);
+    pack_key_block<T, Tiles>(p, k, v, seqlen_k, kb, ws, ws.threads[tid]);
   }
   // Tiles [i0, i0 + ntiles kBq) of head h: one visit (ntiles <= kTilesPerVisit).
   static void tile(const Problem& p, const Sequence& seq, int64_t h, int64_t i0, int64_t ntiles, const Scratch& ws,
                    int tid) {
-    forward_tiles<T>(p, seq, h, i0, ntiles, ws, ws.threads[tid]);
+    forward_tiles<T, Tiles>(p, seq, h, i0, ntiles, ws, ws.threads[tid]);
   }
 };
 
@@ -363,6 +369,21 @@ inline void run_forward(const Problem& p, void* scratch, int nt) {
       }
     });
   });
+}
+
+// The FMA forward of compute type T with the tile shapes of the problem's head width.
+template <class T>
+inline size_t fma_forward_scratch(const Problem& p, int nt) {
+  return head_width(p) == HeadWidth::kWide ? scratch_bytes<FmaForward<T, HeadWidth::kWide>>(p, nt)
+                                           : scratch_bytes<FmaForward<T>>(p, nt);
+}
+template <class T>
+inline void fma_forward(const Problem& p, void* scratch, int nt) {
+  if (head_width(p) == HeadWidth::kWide) {
+    run_forward<FmaForward<T, HeadWidth::kWide>>(p, scratch, nt);
+  } else {
+    run_forward<FmaForward<T>>(p, scratch, nt);
+  }
 }
 
 }  // namespace flare::cpu::FLARE_ISA

@@ -13,15 +13,15 @@ namespace flare::cpu::avx512bf16 {
 size_t forward_scratch(const detail::Problem& p, int threads) {
   switch (p.dtype) {
     case FLARE_DTYPE_BF16: return scratch_bytes<DotForward>(p, threads);
-    case FLARE_DTYPE_F64: return scratch_bytes<FmaForward<double>>(p, threads);
-    default: return scratch_bytes<FmaForward<float>>(p, threads);
+    case FLARE_DTYPE_F64: return fma_forward_scratch<double>(p, threads);
+    default: return fma_forward_scratch<float>(p, threads);
   }
 }
 void forward(const detail::Problem& p, void* scratch, int threads) {
   switch (p.dtype) {
     case FLARE_DTYPE_BF16: run_forward<DotForward>(p, scratch, threads); break;
-    case FLARE_DTYPE_F64: run_forward<FmaForward<double>>(p, scratch, threads); break;
-    default: run_forward<FmaForward<float>>(p, scratch, threads); break;
+    case FLARE_DTYPE_F64: fma_forward<double>(p, scratch, threads); break;
+    default: fma_forward<float>(p, scratch, threads); break;
   }
 }
 // Decoding is bound by reading the cache: the FMA decode path (decode.hpp) for every dtype.
@@ -30,15 +30,15 @@ void decode(const detail::Problem& p, void* scratch, int threads) { run_decode(p
 size_t backward_scratch(const detail::Problem& p, int threads) {
   switch (p.dtype) {
     case FLARE_DTYPE_BF16: return scratch_bytes<DotBackward>(p, threads);
-    case FLARE_DTYPE_F64: return scratch_bytes<FmaBackward<double>>(p, threads);
-    default: return scratch_bytes<FmaBackward<float>>(p, threads);
+    case FLARE_DTYPE_F64: return fma_backward_scratch<double>(p, threads);
+    default: return fma_backward_scratch<float>(p, threads);
   }
 }
 void backward(const detail::Problem& p, void* scratch, int threads) {
   switch (p.dtype) {
     case FLARE_DTYPE_BF16: run_backward<DotBackward>(p, scratch, threads); break;
-    case FLARE_DTYPE_F64: run_backward<FmaBackward<double>>(p, scratch, threads); break;
-    default: run_backward<FmaBackward<float>>(p, scratch, threads); break;
+    case FLARE_DTYPE_F64: fma_backward<double>(p, scratch, threads); break;
+    default: fma_backward<float>(p, scratch, threads); break;
   }
 }
 

@@ -1,7 +1,8 @@
 // test_wide_heads.cpp — head dims past 256 on the CPU backend (up to headdim 576, headdim_v 512; see
 // cpu_backend.hpp): flare_fwd, flare_fwd_varlen and flare_bwd against the fp64 reference at 320, 384, 512, the
 // MLA shape 576/512, and headdim_v != headdim both ways, with causal masks, windows and odd lengths, in fp32,
-// bf16, fp16 and fp64. Lengths stay short: the reference costs seqlen_q x seqlen_k x headdim per head. The
+// bf16, fp16 and fp64; dropout and sinks on the wide tile shapes of the fp32 engines (forward.hpp, backward.hpp:
+// 128-key blocks forward, 64-key blocks one at a time backward). Lengths stay short: the reference costs seqlen_q x seqlen_k x headdim per head. The
 // KV-cache and decode paths at these widths are in test_kvcache.cpp, paged varlen in test_paged_and_merge.cpp.
 #include <utility>
 #include <vector>
@@ -107,6 +108,41 @@ TEST(WideHeads, BackwardVarlenSharedGroup) {
     c.num_threads = 3;
     c.causal = true;
     c.softcap = 9.0f;
+    check_backward(c, rng, kFp32Tol);
+  }
+}
+
+TEST(WideHeads, DropoutAndSinks) {
+  // The fp32 engines' wide tiles with dropout's per-block keep factors and the sinks folded into the lse:
+  // several key blocks (128 forward, 64 backward) and query tiles, odd lengths, masks, private groups
+  // (two threads, four groups) and a shared one (three threads, one group).
+  Rng rng;
+  int which = 0;
+  for (const Wide& w : {Wide{320, 320}, Wide{512, 512}, Wide{576, 512}}) {
+    for (flare_dtype dtype : {FLARE_DTYPE_F32, FLARE_DTYPE_F64}) {
+      for (int32_t threads : {2, 3}) {
+        AttnCase c = dense_case(dtype, threads == 2 ? 2 : 1, 131, 283, 2, threads == 2 ? 2 : 1, w.headdim,
+                                w.headdim_v);
+        c.num_threads = threads;
+        set_mask(c, which++);
+        c.dropout_p = 0.2f;
+        c.sinks = true;
+        check_forward(c, rng, kFp32Tol);
+        check_backward(c, rng, kFp32Tol);
+      }
+    }
+  }
+}
+
+TEST(WideHeads, BackwardManyTilesVarlen) {
+  // Query tiles and 64-key blocks past a handful each, under causal and window masks, so that the one-block
+  // steps of the wide backward meet partial tiles at both ends and blocks no query sees.
+  Rng rng;
+  for (const Wide& w : {Wide{384, 384}, Wide{512, 256}}) {
+    AttnCase c = varlen_case(FLARE_DTYPE_F32, {150, 1, 97}, {150, 70, 200}, 2, 2, w.headdim, w.headdim_v);
+    c.seqused_k = {130, 70, 141};
+    c.causal = true;
+    c.window_left = w.headdim == 384 ? 60 : -1;
     check_backward(c, rng, kFp32Tol);
   }
 }
