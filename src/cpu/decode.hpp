@@ -42,6 +42,7 @@ struct DecodeScratch {
     float *q, *o;     // per head of the item: R query rows (dp) and R output rows (dvp)
     float *m, *l;     // per head of the item: the R rows' running max and sum
     float* s;         // R x kDecodeChunk scores of one head
+    RowPtr *krows, *vrows;  // per head of the item: where its K and V rows lie
   };
   PerThread* threads = nullptr;
   // splits > 1: per (b, hk, split) the split's normalised output (R x dvp) and lse (R).
@@ -61,7 +62,7 @@ struct DecodeScratch {
     for (int t = 0; t < nt; ++t) {
       PerThread pt{a.take<float>(C * dp), a.take<float>(C * dvp), a.take<float>(heads * rows * dp),
                    a.take<float>(heads * rows * dvp), a.take<float>(heads * rows), a.take<float>(heads * rows),
-                   a.take<float>(rows * C)};
+                   a.take<float>(rows * C), a.take<RowPtr>(heads), a.take<RowPtr>(heads)};
       if (threads) threads[t] = pt;
     }
     if (splits > 1) {
@@ -199,7 +200,8 @@ inline void decode_item(const Problem& p, const DecodeScratch& ws, const DecodeS
       for (int64_t c = 0; c < dvp; c += W) vstore(t.o + (h * R + r) * dvp + c, V{});
     }
   }
-  RowPtr krows[kDecodeItemRows], vrows[kDecodeItemRows];
+  RowPtr* krows = t.krows;
+  RowPtr* vrows = t.vrows;
   for (int64_t h = 0; h < nh; ++h) {
     krows[h] = key_rows(p, p.k, seq, hk0 + h);
     vrows[h] = key_rows(p, p.v, seq, hk0 + h);
