@@ -119,7 +119,8 @@ inline void score_block(const float* q, int64_t ldq, int64_t rows, const KT* con
   constexpr int kRows = W >= 4 ? 4 : W;
   int64_t r = 0;
   for (; r + kRows <= rows; r += kRows)
-    for (int64_t j = 0; j < n; j += W / kRows) score_tile<kRows>(q + r * ldq, ldq, k + j, d, scale, s + r * lds + j, lds);
+    for (int64_t j = 0; j < n; j += W / kRows)
+      score_tile<kRows>(q + r * ldq, ldq, k + j, d, scale, s + r * lds + j, lds);
   for (; r < rows; ++r)
     for (int64_t j = 0; j < n; j += W) score_tile<1>(q + r * ldq, ldq, k + j, d, scale, s + r * lds + j, lds);
 }
