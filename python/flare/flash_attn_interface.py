@@ -210,15 +210,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if type(num_splits) is not int:
         num_splits = _checks.integer(num_splits, "num_splits")
     scale, softcap = _scale(softmax_scale), float(softcap)
-    args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos,
-            rotary_sin, bool(rotary_interleaved), num_splits, alibi_slopes, scale, bool(causal), left, right, softcap,
-            _sinks(s_aux))
     # Eager, on plain tensors that pass the op's checks: the op's function itself (no autograd either way),
     # without softmax_lse unless it is returned; anything else goes through the op (fwd_kvcache_eager's
     # direct). The op bumps the version of the caches it appends to; so does this.
-    result = ops.fwd_kvcache_eager(*args, want_lse=bool(return_softmax_lse), direct=True)
+    result = ops.fwd_kvcache_eager(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
+                                   block_table, rotary_cos, rotary_sin, rotary_interleaved, num_splits,
+                                   alibi_slopes, scale, causal, left, right, softcap, s_aux,
+                                   want_lse=return_softmax_lse, direct=True)
     if result is None:
-        out, lse = ops.fwd_kvcache(*args)
+        out, lse = ops.fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
+                                   block_table, rotary_cos, rotary_sin, bool(rotary_interleaved), num_splits,
+                                   alibi_slopes, scale, bool(causal), left, right, softcap, _sinks(s_aux))
         return (out, lse) if return_softmax_lse else out
     out, lse = result
     if k is not None:

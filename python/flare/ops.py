@@ -217,20 +217,21 @@ def _kvcache_rest_passes(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache
                          block_table, rotary_cos, rotary_sin, num_splits, alibi_slopes, softmax_scale, window_left,
                          window_right, softcap, sinks) -> bool:
     """_kvcache_call_passes past the ranks of q, k_cache, v_cache: devices, dtypes, pairs, values."""
-    cuda, index = q.is_cuda, q.get_device()
-    if cuda:
-        same_device = lambda t: t.is_cuda and t.get_device() == index  # noqa: E731
+    if q.is_cuda:
+        index = q.get_device()
+        for t in (k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                  rotary_cos, rotary_sin, alibi_slopes, sinks):
+            if t is not None and not (isinstance(t, Tensor) and t.is_cuda and t.get_device() == index):
+                return False
     elif q.is_cpu:
-        same_device = lambda t: t.is_cpu  # noqa: E731
+        for t in (k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                  rotary_cos, rotary_sin, alibi_slopes, sinks):
+            if t is not None and not (isinstance(t, Tensor) and t.is_cpu):
+                return False
     else:
         return False
-    if not (same_device(k_cache) and same_device(v_cache)):
-        return False
     for t in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table):
-        if t is not None and not (isinstance(t, Tensor) and t.dtype is torch.int32 and same_device(t)):
-            return False
-    for t in (k_new, v_new, rotary_cos, rotary_sin, alibi_slopes, sinks):
-        if t is not None and not (isinstance(t, Tensor) and same_device(t)):
+        if t is not None and t.dtype is not torch.int32:
             return False
     if (k_new is None) != (v_new is None) or (rotary_cos is None) != (rotary_sin is None):
         return False
@@ -523,7 +524,8 @@ def fwd_kvcache_eager(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Option
         _check_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad,
                        block_table, rotary_cos, rotary_sin, num_splits, alibi_slopes, softmax_scale, window_left,
                        window_right, softcap, sinks)
-    q = _last_dim_contiguous(q)
+    if q.stride(-1) != 1:
+        q = _last_dim_contiguous(q)
     if k_new is not None:
         k_new, v_new = _last_dim_contiguous(k_new), _last_dim_contiguous(v_new)
     if rotary_cos is not None:
@@ -557,10 +559,10 @@ def fwd_kvcache_eager(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Option
     if rotary_cos is not None:
         view(p, _KV["rotary_cos"], rotary_cos)
         view(p, _KV["rotary_sin"], rotary_sin)
-        p.rotary_interleaved = int(rotary_interleaved)
+        p.rotary_interleaved = bool(rotary_interleaved)
     if num_splits:
         p.num_splits = num_splits
-    _ATTN_SCALARS.pack_into(p, _KV_ATTN, softmax_scale, softcap, causal, window_left, window_right)
+    _ATTN_SCALARS.pack_into(p, _KV_ATTN, softmax_scale, softcap, bool(causal), window_left, window_right)
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.to(dtype=torch.float32).contiguous()
         view(p, _KV_ALIBI, alibi_slopes)
