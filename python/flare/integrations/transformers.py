@@ -13,7 +13,7 @@ three routes, as FA2's does:
   - no mask, but position_ids that restart inside one packed row (batch 1), or cu_seq_lens_q/k given:
     varlen over the packed sequences;
   - otherwise the dense flash_attn_func; or, for a step against the cache (fewer queries than keys) that needs
-    no gradient, outside torch.compile, flash_attn_with_kvcache on the model's cache as it is (the same
+    no gradient nor dropout, outside torch.compile, flash_attn_with_kvcache on the model's cache as it is (the same
     attention: its decode path, and a per-call host cost close to torch SDPA's).
 GQA/MQA key/value heads go in as they are (no repeat_kv); with a cache, seqlen_q < seqlen_k and causal is
 aligned bottom-right. sliding_window w becomes window_size (w - 1, w - 1), softcap is passed on, and so are
@@ -117,11 +117,13 @@ def flare_attention_forward(module, query, key, value, attention_mask, dropout=0
     elif not torch.compiler.is_compiling() and _is_packed(position_ids, batch):
         cu_q, max_q = _packed_cu_seqlens(position_ids)
         cu_k, max_k = cu_q, max_q
-    elif seqlen_q < k.shape[1] and not torch.compiler.is_compiling() and not _needs_grad(query, key, value, s_aux):
-        # Decoding against the model's cache without autograd: the KV-cache entry (its decode path packs the
-        # query heads of a kv head and splits long caches across cores; its eager route skips torch's op
-        # dispatch), the same attention as flash_attn_func's bottom-right aligned one.
-        return flash_attn_with_kvcache(q, k, v, **options), None
+    elif (seqlen_q < k.shape[1] and not options["dropout_p"] and not torch.compiler.is_compiling()
+          and not _needs_grad(query, key, value, s_aux)):
+        # Decoding against the model's cache without autograd or dropout: the KV-cache entry (its decode path
+        # packs the query heads of a kv head and splits long caches across cores; its eager route skips torch's
+        # op dispatch), the same attention as flash_attn_func's bottom-right aligned one.
+        return flash_attn_with_kvcache(q, k, v, softmax_scale=scaling, causal=causal, window_size=window,
+                                       softcap=softcap or 0.0, s_aux=s_aux), None
     else:
         return flash_attn_func(q, k, v, **options), None
 
