@@ -209,14 +209,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     if type(num_splits) is not int:
         num_splits = _checks.integer(num_splits, "num_splits")
-    scale, softcap = _scale(softmax_scale), float(softcap)
+    scale = 0.0 if softmax_scale is None else _scale(softmax_scale)
+    if type(softcap) is not float:
+        softcap = float(softcap)
     # Eager, on plain tensors that pass the op's checks: the op's function itself (no autograd either way),
     # without softmax_lse unless it is returned; anything else goes through the op (fwd_kvcache_eager's
     # direct). The op bumps the version of the caches it appends to; so does this.
     result = ops.fwd_kvcache_eager(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
                                    block_table, rotary_cos, rotary_sin, rotary_interleaved, num_splits,
-                                   alibi_slopes, scale, causal, left, right, softcap, s_aux,
-                                   want_lse=return_softmax_lse, direct=True)
+                                   alibi_slopes, scale, causal, left, right, softcap, s_aux, return_softmax_lse,
+                                   True)  # want_lse, direct
     if result is None:
         out, lse = ops.fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
                                    block_table, rotary_cos, rotary_sin, bool(rotary_interleaved), num_splits,

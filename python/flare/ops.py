@@ -467,6 +467,8 @@ fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 _KV = {name: getattr(_capi.flare_kvcache_params, name).offset for name, _ in _capi.flare_kvcache_params._fields_}
 _KV_ATTN = _KV["attn"]
+_KV_Q, _KV_K_CACHE, _KV_V_CACHE, _KV_CACHE_SEQLENS = _KV["q"], _KV["k_cache"], _KV["v_cache"], _KV["cache_seqlens"]
+_KV_OUT = _KV["out"]
 _KV_ALIBI = _KV_ATTN + _capi.flare_attn_options.alibi_slopes.offset
 _ADDRESS = struct.Struct("=Q")  # flare_tensor.data, at the start of the struct
 assert _capi.flare_tensor.data.offset == 0
@@ -538,12 +540,13 @@ def fwd_kvcache_eager(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Option
     lib = _capi.library()
     p = lib.kvcache_params_copy()
     view = _capi.set_view
-    view(p, _KV["q"], q)
-    view(p, _KV["k_cache"], k_cache)
-    view(p, _KV["v_cache"], v_cache)
+    view(p, _KV_Q, q)
+    view(p, _KV_K_CACHE, k_cache)
+    view(p, _KV_V_CACHE, v_cache)
     if cache_seqlens is not None:
-        cache_seqlens = _int32_index(cache_seqlens, "cache_seqlens")
-        view(p, _KV["cache_seqlens"], cache_seqlens)
+        if cache_seqlens.dtype is not torch.int32 or not cache_seqlens.is_contiguous():
+            cache_seqlens = _checks.index32(cache_seqlens, "cache_seqlens")
+        view(p, _KV_CACHE_SEQLENS, cache_seqlens)
     if cache_batch_idx is not None:
         cache_batch_idx = _int32_index(cache_batch_idx, "cache_batch_idx")
         view(p, _KV["cache_batch_idx"], cache_batch_idx)
@@ -580,7 +583,7 @@ def fwd_kvcache_eager(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Option
     if headdim_v == headdim and q.is_contiguous():  # out is laid out as q: q's view, out's address
         out = torch.empty_like(q)
         p.out = p.q
-        _ADDRESS.pack_into(p, _KV["out"], out.data_ptr())
+        _ADDRESS.pack_into(p, _KV_OUT, out.data_ptr())
     else:
         out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
         view(p, _KV["out"], out)
