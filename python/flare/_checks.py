@@ -50,13 +50,13 @@ def fp32(value):
 
 
 # The magnitudes fp32 holds as normal numbers: a value between them survives the narrowing (fast path).
-_FP32_TINY, _FP32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
+FP32_TINY, FP32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
 
 
 def float32(value, name, zero_means):
     """value, checked to survive the fp32 field it goes into: a nonzero value that rounds to 0 would read as
     zero_means (e.g. "the default scale"), a finite one that rounds to infinity as infinity."""
-    if value == 0 or _FP32_TINY <= abs(value) <= _FP32_MAX:
+    if value == 0 or FP32_TINY <= abs(value) <= FP32_MAX:
         return value
     narrowed = fp32(value)
     if narrowed == 0:

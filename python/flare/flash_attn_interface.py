@@ -202,14 +202,29 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (num_blocks, block_size, nheads_k, headdim) with block_table. k/v (batch, seqlen_new, nheads_k, headdim)
     are rotated (if rotary_cos/sin are given) and written into the cache in place at cache_seqlens, then
     attended to. cache_seqlens: int or int32 tensor (batch). Returns out, or (out, softmax_lse)."""
-    left, right = _window(window_size)
+    left, right = (-1, -1) if window_size == (-1, -1) else _window(window_size)
     if isinstance(cache_seqlens, int):
         _checks.rank(q, "q", 4, ops._KVCACHE)
         cache_seqlens = _checks.int32(cache_seqlens, "cache_seqlens")
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
-    num_splits = _checks.integer(num_splits, "num_splits")
-    out, lse = ops.fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
-                               block_table, rotary_cos, rotary_sin, bool(rotary_interleaved), num_splits,
-                               alibi_slopes, _scale(softmax_scale), bool(causal), left, right, float(softcap),
-                               _sinks(s_aux))
+    if type(num_splits) is not int:
+        num_splits = _checks.integer(num_splits, "num_splits")
+    scale = 0.0 if softmax_scale is None else _scale(softmax_scale)
+    if type(softcap) is not float:
+        softcap = float(softcap)
+    # Eager, on plain tensors that pass the op's checks: the op's function itself (no autograd either way),
+    # without softmax_lse unless it is returned; anything else goes through the op (fwd_kvcache_eager's
+    # direct). The op bumps the version of the caches it appends to; so does this.
+    result = ops.fwd_kvcache_eager(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
+                                   block_table, rotary_cos, rotary_sin, rotary_interleaved, num_splits,
+                                   alibi_slopes, scale, causal, left, right, softcap, s_aux, return_softmax_lse,
+                                   True)  # want_lse, direct
+    if result is None:
+        out, lse = ops.fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
+                                   block_table, rotary_cos, rotary_sin, bool(rotary_interleaved), num_splits,
+                                   alibi_slopes, scale, bool(causal), left, right, softcap, _sinks(s_aux))
+        return (out, lse) if return_softmax_lse else out
+    out, lse = result
+    if k is not None:
+        torch.autograd.graph.increment_version((k_cache, v_cache))
     return (out, lse) if return_softmax_lse else out

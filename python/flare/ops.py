@@ -34,6 +34,7 @@ kernels, so autograd does not hand it on. docs/cuda-backend.md has the rule.
 """
 
 import contextlib
+import struct
 from typing import Optional, Tuple
 
 import torch
@@ -132,8 +133,7 @@ def _run(ref: Tensor, entry, nbytes, p):
     allocator: flare then allocates nothing itself, which keeps the call capturable in a CUDA graph and its
     memory visible to torch. The workspace is released when this returns; the allocator hands it out again
     only to later work on the same stream, so the kernel keeps it."""
-    if ref.device.type != "cuda":
-        p.exec = _exec_options(ref)
+    if not ref.is_cuda:  # the params' exec is init's: flare's thread count and scratch
         entry(p)
         return
     with torch.cuda.device(ref.device):
@@ -200,9 +200,57 @@ def _check_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_
                  (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)) + int32s, float32s)
 
 
+def _kvcache_call_passes(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad,
+                         block_table, rotary_cos, rotary_sin, num_splits, alibi_slopes, softmax_scale, window_left,
+                         window_right, softcap, sinks) -> bool:
+    """True when every check of _check_kvcache passes, tested straight (the common decode call costs a few
+    comparisons); False leaves the verdict, and the message, to those checks."""
+    if not (isinstance(q, Tensor) and isinstance(k_cache, Tensor) and isinstance(v_cache, Tensor)
+            and q.dim() == 4 and k_cache.dim() == 4 and v_cache.dim() == 4):
+        return False
+    return _kvcache_rest_passes(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad,
+                                block_table, rotary_cos, rotary_sin, num_splits, alibi_slopes, softmax_scale,
+                                window_left, window_right, softcap, sinks)
+
+
+def _kvcache_rest_passes(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad,
+                         block_table, rotary_cos, rotary_sin, num_splits, alibi_slopes, softmax_scale, window_left,
+                         window_right, softcap, sinks) -> bool:
+    """_kvcache_call_passes past the ranks of q, k_cache, v_cache: devices, dtypes, pairs, values."""
+    if q.is_cuda:
+        index = q.get_device()
+        for t in (k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                  rotary_cos, rotary_sin, alibi_slopes, sinks):
+            if t is not None and not (isinstance(t, Tensor) and t.is_cuda and t.get_device() == index):
+                return False
+    elif q.is_cpu:
+        for t in (k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                  rotary_cos, rotary_sin, alibi_slopes, sinks):
+            if t is not None and not (isinstance(t, Tensor) and t.is_cpu):
+                return False
+    else:
+        return False
+    for t in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table):
+        if t is not None and t.dtype is not torch.int32:
+            return False
+    if (k_new is None) != (v_new is None) or (rotary_cos is None) != (rotary_sin is None):
+        return False
+    if k_new is not None and (k_cache.requires_grad or v_cache.requires_grad):
+        return False
+    low, high, tiny, most = _checks.INT32_MIN, _checks.INT32_MAX, _checks.FP32_TINY, _checks.FP32_MAX
+    return (type(num_splits) is int and type(window_left) is int and type(window_right) is int
+            and low <= num_splits <= high and low <= window_left <= high and low <= window_right <= high
+            and (softmax_scale == 0 or tiny <= abs(softmax_scale) <= most)
+            and (softcap == 0 or tiny <= abs(softcap) <= most))
+
+
 def _check_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                    rotary_cos, rotary_sin, num_splits, alibi_slopes, softmax_scale, window_left, window_right,
                    softcap, sinks=None):
+    if _kvcache_call_passes(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad,
+                            block_table, rotary_cos, rotary_sin, num_splits, alibi_slopes, softmax_scale,
+                            window_left, window_right, softcap, sinks):
+        return
     int32s, float32s = _options(softmax_scale, window_left, window_right, softcap)
     _checks.call(_KVCACHE, (("q", q, 4), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)),
                  (("k_new", k_new), ("v_new", v_new), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
@@ -417,6 +465,139 @@ fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 # ---- KV-cache forward (inference; no autograd) ----------------------------------------------------------
 
 
+_KV = {name: getattr(_capi.flare_kvcache_params, name).offset for name, _ in _capi.flare_kvcache_params._fields_}
+_KV_ATTN = _KV["attn"]
+_KV_Q, _KV_K_CACHE, _KV_V_CACHE, _KV_CACHE_SEQLENS = _KV["q"], _KV["k_cache"], _KV["v_cache"], _KV["cache_seqlens"]
+_KV_OUT = _KV["out"]
+_KV_ALIBI = _KV_ATTN + _capi.flare_attn_options.alibi_slopes.offset
+_ADDRESS = struct.Struct("=Q")  # flare_tensor.data, at the start of the struct
+assert _capi.flare_tensor.data.offset == 0
+# softmax_scale, softcap, causal, window_left, window_right: the head of flare_attn_options.
+_ATTN_SCALARS = struct.Struct("=ffiii")
+assert _capi.flare_attn_options.window_right.offset == _ATTN_SCALARS.size - 4
+# Outputs up to this many elements are allocated before the library has validated the call (a refused call then
+# costs one small allocation, and writes nothing); larger ones only after (_validate).
+_SMALL_OUTPUT = 1 << 20
+
+
+def _int32_index(t: Optional[Tensor], name: str) -> Optional[Tensor]:
+    """_checks.index32 with the common case (already contiguous int32) first."""
+    if t is None or (t.dtype is torch.int32 and t.is_contiguous()):
+        return t
+    return _checks.index32(t, name)
+
+
+def fwd_kvcache_eager(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optional[Tensor],
+                      v_new: Optional[Tensor], cache_seqlens: Optional[Tensor], cache_batch_idx: Optional[Tensor],
+                      cache_leftpad: Optional[Tensor], block_table: Optional[Tensor],
+                      rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], rotary_interleaved: bool,
+                      num_splits: int, alibi_slopes: Optional[Tensor], softmax_scale: float, causal: bool,
+                      window_left: int, window_right: int, softcap: float, sinks: Optional[Tensor] = None,
+                      want_lse: bool = True, direct: bool = False) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+    """flare::fwd_kvcache's computation called directly, without torch's custom-op dispatch (see fwd_eager).
+    want_lse=False: no softmax_lse is asked of the library, and None is returned for it.
+
+    direct=True is flash_attn_with_kvcache's eager route around the op, taken only where the op would add
+    nothing but tens of microseconds of host time: plain tensors (no subclass: FakeTensor, FunctionalTensor,
+    DTensor, ... need the op) of ranks the op takes on the CPU or one CUDA device, no tracing (torch.compile),
+    torch function mode (a device context) or dispatch mode (FakeTensorMode, counters, ...) active, and
+    arguments that pass every check of the op (_kvcache_rest_passes). Otherwise it returns None, and the caller
+    calls the op, whose checks name what is wrong.
+
+    The params are packed from a copy of the library's defaults, each view written in place (_capi.set_view);
+    outputs of at most _SMALL_OUTPUT elements on the CPU are allocated before the library validates the call,
+    which then runs once (a decode step's host cost), others after it validated them as planned views."""
+    if direct:
+        if not (type(q) is Tensor and type(k_cache) is Tensor and type(v_cache) is Tensor
+                and q.dim() == 4 and k_cache.dim() == 4 and v_cache.dim() == 4):
+            return None
+        for t in (k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos,
+                  rotary_sin, alibi_slopes, sinks):
+            if t is not None and type(t) is not Tensor:
+                return None
+        if (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
+                or torch._C._len_torch_dispatch_stack()):
+            return None
+        if not _kvcache_rest_passes(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx,
+                                    cache_leftpad, block_table, rotary_cos, rotary_sin, num_splits, alibi_slopes,
+                                    softmax_scale, window_left, window_right, softcap, sinks):
+            return None
+    else:
+        _check_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad,
+                       block_table, rotary_cos, rotary_sin, num_splits, alibi_slopes, softmax_scale, window_left,
+                       window_right, softcap, sinks)
+    if q.stride(-1) != 1:
+        q = _last_dim_contiguous(q)
+    if k_new is not None:
+        k_new, v_new = _last_dim_contiguous(k_new), _last_dim_contiguous(v_new)
+    if rotary_cos is not None:
+        rotary_cos, rotary_sin = _last_dim_contiguous(rotary_cos), _last_dim_contiguous(rotary_sin)
+        if rotary_cos.stride() != rotary_sin.stride():  # the ABI wants one row stride
+            rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
+    batch, seqlen_q, nheads, headdim = q.shape
+    headdim_v = v_cache.shape[-1]
+
+    lib = _capi.library()
+    p = lib.kvcache_params_copy()
+    view = _capi.set_view
+    view(p, _KV_Q, q)
+    view(p, _KV_K_CACHE, k_cache)
+    view(p, _KV_V_CACHE, v_cache)
+    if cache_seqlens is not None:
+        if cache_seqlens.dtype is not torch.int32 or not cache_seqlens.is_contiguous():
+            cache_seqlens = _checks.index32(cache_seqlens, "cache_seqlens")
+        view(p, _KV_CACHE_SEQLENS, cache_seqlens)
+    if cache_batch_idx is not None:
+        cache_batch_idx = _int32_index(cache_batch_idx, "cache_batch_idx")
+        view(p, _KV["cache_batch_idx"], cache_batch_idx)
+    if cache_leftpad is not None:
+        cache_leftpad = _int32_index(cache_leftpad, "cache_leftpad")
+        view(p, _KV["cache_leftpad"], cache_leftpad)
+    if block_table is not None:
+        block_table = _int32_index(block_table, "block_table")
+        view(p, _KV["block_table"], block_table)
+    if k_new is not None:
+        view(p, _KV["k_new"], k_new)
+        view(p, _KV["v_new"], v_new)
+    if rotary_cos is not None:
+        view(p, _KV["rotary_cos"], rotary_cos)
+        view(p, _KV["rotary_sin"], rotary_sin)
+        p.rotary_interleaved = bool(rotary_interleaved)
+    if num_splits:
+        p.num_splits = num_splits
+    _ATTN_SCALARS.pack_into(p, _KV_ATTN, softmax_scale, softcap, bool(causal), window_left, window_right)
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.to(dtype=torch.float32).contiguous()
+        view(p, _KV_ALIBI, alibi_slopes)
+    if sinks is not None:
+        sinks = sinks.detach().to(dtype=torch.float32).contiguous()
+        view(p, _KV["sinks"], sinks)
+
+    out_shape, lse_shape = (batch, seqlen_q, nheads, headdim_v), (batch, nheads, seqlen_q)
+    nbytes = 0
+    if q.is_cuda or batch * seqlen_q * nheads * headdim_v > _SMALL_OUTPUT:  # validated before allocating
+        p.out = _capi.planned_view(out_shape, q.dtype, q.device)
+        if want_lse:
+            p.softmax_lse = _capi.planned_view(lse_shape, torch.float32, q.device)
+        nbytes = _validate(q, lib.fwd_kvcache, lib.kvcache_workspace_size, p)
+    if headdim_v == headdim and q.is_contiguous():  # out is laid out as q: q's view, out's address
+        out = torch.empty_like(q)
+        p.out = p.q
+        _ADDRESS.pack_into(p, _KV_OUT, out.data_ptr())
+    else:
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+        view(p, _KV["out"], out)
+    lse = None
+    if want_lse:
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        view(p, _KV["softmax_lse"], lse)
+    if q.is_cuda:
+        _run(q, lib.fwd_kvcache, nbytes, p)
+    else:  # _run's CPU case, without its calls
+        lib.fwd_kvcache(p)
+    return out, lse  # the views pointed into the tensors above, alive until here
+
+
 @torch.library.custom_op("flare::fwd_kvcache", mutates_args=("k_cache", "v_cache"))
 def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optional[Tensor], v_new: Optional[Tensor],
                 cache_seqlens: Optional[Tensor], cache_batch_idx: Optional[Tensor],
@@ -427,36 +608,9 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Optional[Ten
                 sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Attention of q against a (dense or paged) KV cache, appending k_new/v_new to it in place first.
     Returns (out, softmax_lse). sinks: learnable sinks (nheads), as in fwd."""
-    _check_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-                   rotary_cos, rotary_sin, num_splits, alibi_slopes, softmax_scale, window_left, window_right,
-                   softcap, sinks)
-    q = _last_dim_contiguous(q)
-    k_new, v_new = _last_dim_contiguous(k_new), _last_dim_contiguous(v_new)
-    rotary_cos, rotary_sin = _last_dim_contiguous(rotary_cos), _last_dim_contiguous(rotary_sin)
-    if rotary_cos is not None and rotary_cos.stride() != rotary_sin.stride():  # the ABI wants one row stride
-        rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
-    out_shape, lse_shape = _out_shape(q, v_cache), _lse_shape(q, False)
-
-    lib = _capi.library()
-    p = lib.kvcache_params()
-    tv = _capi.tensor_view
-    p.q, p.k_cache, p.v_cache, p.k_new, p.v_new = tv(q), tv(k_cache), tv(v_cache), tv(k_new), tv(v_new)
-    index = _set_index_views(p, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
-                             cache_leftpad=cache_leftpad, block_table=block_table)
-    p.rotary_cos, p.rotary_sin = tv(rotary_cos), tv(rotary_sin)
-    p.rotary_interleaved = int(rotary_interleaved)
-    p.num_splits = num_splits
-    p.out = _capi.planned_view(out_shape, q.dtype, q.device)
-    p.softmax_lse = _capi.planned_view(lse_shape, torch.float32, q.device)
-    p.attn, keep = _attn_options(q, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes)
-    sinks32 = _sinks_view(p, sinks)
-    nbytes = _validate(q, lib.fwd_kvcache, lib.kvcache_workspace_size, p)
-    out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    p.out.data, p.softmax_lse.data = out.data_ptr(), lse.data_ptr()  # laid out as planned
-    _run(q, lib.fwd_kvcache, nbytes, p)
-    del keep, index, sinks32
-    return out, lse
+    return fwd_kvcache_eager(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad,
+                             block_table, rotary_cos, rotary_sin, rotary_interleaved, num_splits, alibi_slopes,
+                             softmax_scale, causal, window_left, window_right, softcap, sinks)
 
 
 @fwd_kvcache.register_fake

@@ -338,7 +338,8 @@ void check_exec_options(const flare_exec_options& exec, const flare_device& devi
   if (exec.num_threads < 0) {
     reject(cat("exec.num_threads is ", exec.num_threads, ": it must be 0 (OpenMP's default) or > 0"));
   }
-  if (device.type == FLARE_DEVICE_CPU && exec.num_threads > cpu::max_threads()) {
+  // 0 (the default) needs no bound: max_threads() asks the OS for the affinity mask, a system call per call.
+  if (device.type == FLARE_DEVICE_CPU && exec.num_threads > 0 && exec.num_threads > cpu::max_threads()) {
     reject(cat("exec.num_threads is ", exec.num_threads, " but the CPU backend runs at most ", cpu::max_threads(),
                " threads here (the larger of ", cpu::kMaxThreadsFloor,
                " and the processor count, capped by OpenMP's thread limit, OMP_THREAD_LIMIT)"));

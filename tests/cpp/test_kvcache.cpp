@@ -529,6 +529,34 @@ TEST(KvCache, WideHeads) {
   }
 }
 
+// Decode items cover a block of kv heads (as many as 64 query rows allow): blocks that split the kv heads
+// unevenly (6 kv heads in blocks of 4 and 2, of 3 and 3, or one each), with splits, odd head dims (staged
+// rows), paging, a window, and keys cut so the last chunk of a split is short.
+TEST(KvCache, DecodeHeadBlocks) {
+  Rng rng;
+  for (flare_dtype dtype : {FLARE_DTYPE_F32, FLARE_DTYPE_BF16, FLARE_DTYPE_F16}) {
+    for (int64_t seqlen_q : {4, 5, 16}) {  // 16, 20, 64 rows per kv head: 4, 3 and 1 kv heads per item
+      KvCase c;
+      c.dtype = dtype;
+      c.batch = 2;
+      c.nheads = 24;
+      c.nheads_k = 6;
+      c.seqlen_q = seqlen_q;
+      c.capacity = 203;
+      c.seqlen_new = 1;
+      c.causal = true;
+      check_kvcache(c, rng);
+      c.num_splits = 3;
+      c.headdim = 72;
+      c.headdim_v = 40;
+      c.block_size = 16;
+      c.capacity = 208;
+      c.window_left = 37;
+      check_kvcache(c, rng);
+    }
+  }
+}
+
 TEST(KvCache, RandomCombinations) {
   Rng rng;
   const int64_t headdims[] = {32, 64, 80, 128};

@@ -12,7 +12,9 @@ three routes, as FA2's does:
     (with a cache, query rows are taken from the right of the mask: left padding);
   - no mask, but position_ids that restart inside one packed row (batch 1), or cu_seq_lens_q/k given:
     varlen over the packed sequences;
-  - otherwise the dense flash_attn_func.
+  - otherwise the dense flash_attn_func; or, for a step against the cache (fewer queries than keys) that needs
+    no gradient nor dropout, outside torch.compile, flash_attn_with_kvcache on the model's cache as it is (the same
+    attention: its decode path, and a per-call host cost close to torch SDPA's).
 GQA/MQA key/value heads go in as they are (no repeat_kv); with a cache, seqlen_q < seqlen_k and causal is
 aligned bottom-right. sliding_window w becomes window_size (w - 1, w - 1), softcap is passed on, and so are
 s_aux (GPT-OSS's learnable attention sinks, differentiable) and the attention dropout models ask for in
@@ -27,7 +29,7 @@ register() also adds "paged|flare" (flare_paged_attention_forward) for continuou
 import torch
 
 from ..bert_padding import pad_input, unpad_input
-from ..flash_attn_interface import flash_attn_func, flash_attn_varlen_func
+from ..flash_attn_interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
 NAME = "flare"
 
@@ -45,7 +47,9 @@ def _packed_cu_seqlens(position_ids):
 
 
 def _is_packed(position_ids, batch):
-    if position_ids is None or batch != 1:
+    # One position (a decode step) restarts nothing; answering without reading it keeps the step free of a host
+    # sync, so a CUDA graph can capture it.
+    if position_ids is None or batch != 1 or position_ids.shape[-1] <= 1:
         return False
     expected = torch.arange(position_ids.shape[-1], device=position_ids.device) + position_ids.min()
     return bool((position_ids.reshape(-1) != expected).any())
@@ -70,6 +74,10 @@ def _masked_without_host_sync(q, k, v, attention_mask, options):
     out = flash_attn_varlen_func(flat(q), flat(k), flat(v), rows * seqlen_q, cu_k, seqlen_q, seqlen_k,
                                  seqused_k=used, **options)
     return out.reshape(batch, seqlen_q, *out.shape[1:])
+
+
+def _needs_grad(*tensors):
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def flare_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -109,6 +117,13 @@ def flare_attention_forward(module, query, key, value, attention_mask, dropout=0
     elif not torch.compiler.is_compiling() and _is_packed(position_ids, batch):
         cu_q, max_q = _packed_cu_seqlens(position_ids)
         cu_k, max_k = cu_q, max_q
+    elif (seqlen_q < k.shape[1] and not options["dropout_p"] and not torch.compiler.is_compiling()
+          and not _needs_grad(query, key, value, s_aux)):
+        # Decoding against the model's cache without autograd or dropout: the KV-cache entry (its decode path
+        # packs the query heads of a kv head and splits long caches across cores; its eager route skips torch's
+        # op dispatch), the same attention as flash_attn_func's bottom-right aligned one.
+        return flash_attn_with_kvcache(q, k, v, softmax_scale=scaling, causal=causal, window_size=window,
+                                       softcap=softcap or 0.0, s_aux=s_aux), None
     else:
         return flash_attn_func(q, k, v, **options), None
 

@@ -1,0 +1,176 @@
+// decode_tiles.hpp — the decode path's arithmetic on one block of keys of one kv head (decode.hpp):
+// scores of the head's query rows against the block's key rows, and O += P V. Key and value rows are read
+// where they lie in the cache (fp32 rows as they are, bf16 rows widened on load) or from an fp32 stage, and
+// every vector of a key or value row loaded is used by four query rows.
+// Per-ISA like the kernels (see simd.hpp for why).
+#pragma once
+
+#include <cstring>
+#include <utility>
+
+#include "cpu/simd.hpp"
+
+namespace flare::cpu::FLARE_ISA {
+
+// W lanes of a row as fp32: fp32 rows as they are; bf16 rows widened (a bf16 is the top half of its fp32),
+// one zero-extending load and one shift. (AVX-512: the zero-masked forms with a full mask, as GCC 12 warns on
+// the unmasked ones' undefined pass-through operand.)
+inline vec_t<float> load_lanes(const float* p) { return vload(p); }
+inline vec_t<float> load_lanes(const uint16_t* p) {
+#if defined(__AVX512F__) && FLARE_VEC_BYTES == 64
+  const __m512i w = _mm512_maskz_cvtepu16_epi32(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return static_cast<vec_t<float>>(_mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xffff, w, 16)));
+#elif defined(__AVX2__) && FLARE_VEC_BYTES == 32
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return static_cast<vec_t<float>>(_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+#else
+  constexpr int W = Simd<float>::W;
+  typedef uint16_t Half __attribute__((vector_size(W * 2)));
+  typedef uint32_t Word __attribute__((vector_size(W * 4)));
+  Half h;
+  std::memcpy(&h, p, sizeof(h));
+  const Word w = __builtin_convertvector(h, Word) << 16;
+  vec_t<float> f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+#endif
+}
+
+// ---- W dot products at once: W accumulators folded into one vector of their W sums -----------------------
+//
+// A vector holding m sums keeps sum i in lanes [i s, (i + 1) s), s = W / m. Folding two such vectors x, y
+// adds each segment's halves and interleaves the results: segment 2i of the result is x's sum i, segment
+// 2i + 1 is y's. Folding the W accumulators pairwise, then the results pairwise, ... leaves one vector whose
+// lane i holds the sum of input bitrev(i); feeding the inputs in bit-reversed order gives lane i = sum i.
+// Each fold is two shuffles and an add for two vectors (AVX2: vperm2f128, then vshufps within 128-bit
+// lanes), log2(W) levels in all, instead of log2(W) shuffle-add pairs for each of the W sums.
+template <int S, size_t... L>
+inline vec_t<float> fold_pair(vec_t<float> x, vec_t<float> y, std::index_sequence<L...>) {
+  constexpr int W = Simd<float>::W;
+  constexpr int H = S / 2;
+  return __builtin_shufflevector(x, y, ((L / H) % 2 * W + L / H / 2 * S + L % H)...) +
+         __builtin_shufflevector(x, y, ((L / H) % 2 * W + L / H / 2 * S + L % H + H)...);
+}
+
+// v[0..N): N vectors of W / N sums each (segments of N lanes); returns the single vector they fold into.
+template <int N>
+inline vec_t<float> fold_sums(vec_t<float>* v) {
+  constexpr int W = Simd<float>::W;
+  if constexpr (N == 1) {
+    return v[0];
+  } else {
+#pragma GCC unroll 16
+    for (int i = 0; i < N / 2; ++i) v[i] = fold_pair<N>(v[2 * i], v[2 * i + 1], std::make_index_sequence<W>{});
+    return fold_sums<N / 2>(v);
+  }
+}
+
+constexpr int bit_reversed(int i, int bits) {
+  int r = 0;
+  for (int b = 0; b < bits; ++b) r |= ((i >> b) & 1) << (bits - 1 - b);
+  return r;
+}
+constexpr int log2_of(int n) { return n <= 1 ? 0 : 1 + log2_of(n / 2); }
+
+// Lane i = the lane sum of acc[i], for the W accumulators acc[0..W).
+inline vec_t<float> lane_sums(const vec_t<float>* acc) {
+  constexpr int W = Simd<float>::W;
+  vec_t<float> v[W];
+#pragma GCC unroll 16
+  for (int i = 0; i < W; ++i) v[i] = acc[bit_reversed(i, log2_of(W))];
+  return fold_sums<W>(v);
+}
+
+// ---- scores ----------------------------------------------------------------------------------------------
+
+// Scores of kRows query rows (fp32, ldq apart) against W / kRows keys (rows k[0..)), head dim d (a multiple
+// of W): s[r * lds + j] = scale * q_r · k_j. Each vector of a key row is loaded once for the kRows rows.
+template <int kRows, class KT>
+inline void score_tile(const float* q, int64_t ldq, const KT* const* k, int64_t d, float scale, float* s,
+                       int64_t lds) {
+  using V = vec_t<float>;
+  constexpr int W = Simd<float>::W;
+  constexpr int kKeys = W / kRows;
+  V acc[W] = {};
+  for (int64_t c = 0; c < d; c += W) {
+    V kv[kKeys];
+#pragma GCC unroll 16
+    for (int j = 0; j < kKeys; ++j) kv[j] = load_lanes(k[j] + c);
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      const V qv = vload(q + r * ldq + c);
+#pragma GCC unroll 16
+      for (int j = 0; j < kKeys; ++j) acc[r * kKeys + j] += qv * kv[j];
+    }
+  }
+  const V sums = lane_sums(acc) * scale;
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < kKeys; ++j) s[r * lds + j] = sums[r * kKeys + j];
+}
+
+// Scores of rows query rows against keys k[0..n): s[r * lds + j]. k holds pointers up to n rounded up to W
+// (the extra ones valid rows, whose scores land past n and are never used).
+template <class KT>
+inline void score_block(const float* q, int64_t ldq, int64_t rows, const KT* const* k, int64_t n, int64_t d,
+                        float scale, float* s, int64_t lds) {
+  constexpr int W = Simd<float>::W;
+  constexpr int kRows = W >= 4 ? 4 : W;
+  int64_t r = 0;
+  for (; r + kRows <= rows; r += kRows)
+    for (int64_t j = 0; j < n; j += W / kRows)
+      score_tile<kRows>(q + r * ldq, ldq, k + j, d, scale, s + r * lds + j, lds);
+  for (; r < rows; ++r)
+    for (int64_t j = 0; j < n; j += W) score_tile<1>(q + r * ldq, ldq, k + j, d, scale, s + r * lds + j, lds);
+}
+
+// ---- O += P V ----------------------------------------------------------------------------------------------
+
+// o_r += sum_j p[r * ldp + j] v_j for kRows rows and keys j in [j0, j1), head dim dv (a multiple of W). kCols
+// vectors of each row's o stay in registers across the keys; each vector of a value row is loaded once for
+// the kRows rows.
+template <int kRows, class VT>
+inline void accumulate_pv(const float* p, int64_t ldp, const VT* const* v, int64_t j0, int64_t j1, float* o,
+                          int64_t ldo, int64_t dv) {
+  using V = vec_t<float>;
+  constexpr int W = Simd<float>::W;
+  constexpr int kCols = FLARE_VEC_BYTES == 64 ? 4 : 2;  // kRows x kCols accumulators + kCols values in registers
+  int64_t c = 0;
+  for (; c + kCols * W <= dv; c += kCols * W) {
+    V acc[kRows][kCols];
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 4
+      for (int x = 0; x < kCols; ++x) acc[r][x] = vload(o + r * ldo + c + x * W);
+    for (int64_t j = j0; j < j1; ++j) {
+      V vv[kCols];
+#pragma GCC unroll 4
+      for (int x = 0; x < kCols; ++x) vv[x] = load_lanes(v[j] + c + x * W);
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r) {
+        const V pr = vset(p[r * ldp + j]);
+#pragma GCC unroll 4
+        for (int x = 0; x < kCols; ++x) acc[r][x] += pr * vv[x];
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 4
+      for (int x = 0; x < kCols; ++x) vstore(o + r * ldo + c + x * W, acc[r][x]);
+  }
+  for (; c < dv; c += W) {
+    V acc[kRows];
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) acc[r] = vload(o + r * ldo + c);
+    for (int64_t j = j0; j < j1; ++j) {
+      const V vv = load_lanes(v[j] + c);
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r) acc[r] += vset(p[r * ldp + j]) * vv;
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) vstore(o + r * ldo + c, acc[r]);
+  }
+}
+
+}  // namespace flare::cpu::FLARE_ISA
