@@ -350,6 +350,26 @@ void set_varlen_fields(const AttnProblem& pb, Params& p) {
   }
 }
 
+// Forward params over a problem's inputs and options (sinks and dropout included) writing out and lse (which
+// may be absent), dense layout; varlen fields, when wanted, come from set_varlen_fields.
+inline flare_fwd_params fwd_params(const AttnProblem& pb, const HostTensor& out, const HostTensor& lse,
+                                   int32_t num_threads) {
+  flare_fwd_params p;
+  flare_fwd_params_init(&p);
+  p.q = pb.q.view();
+  p.k = pb.k.view();
+  p.v = pb.v.view();
+  p.out = out.view();
+  p.softmax_lse = lse.view();
+  p.attn = attn_options(pb, p.attn);
+  p.exec.num_threads = num_threads;
+  p.sinks = pb.sinks.view();
+  p.dropout_p = pb.c.dropout_p;
+  p.dropout_seed = pb.dropout_seed;
+  p.dropout_offset = pb.dropout_offset;
+  return p;
+}
+
 // Backward params over a problem's inputs and the given forward results and gradient buffers.
 inline flare_bwd_params bwd_params(const AttnProblem& pb, const HostTensor& out, const HostTensor& dout,
                                    const HostTensor& lse, HostTensor& dq, HostTensor& dk, HostTensor& dv,
@@ -391,19 +411,7 @@ inline ForwardOutputs check_forward(const AttnCase& c_in, Rng& rng, double fp32_
   out.poison_buffer();
   if (lse.present()) lse.poison_buffer();
 
-  flare_fwd_params p;
-  flare_fwd_params_init(&p);
-  p.q = pb.q.view();
-  p.k = pb.k.view();
-  p.v = pb.v.view();
-  p.out = out.view();
-  p.softmax_lse = lse.view();
-  p.attn = attn_options(pb, p.attn);
-  p.exec.num_threads = c.num_threads;
-  p.sinks = pb.sinks.view();
-  p.dropout_p = c.dropout_p;
-  p.dropout_seed = pb.dropout_seed;
-  p.dropout_offset = pb.dropout_offset;
+  flare_fwd_params p = fwd_params(pb, out, lse, c.num_threads);
   ForwardOutputs result;
   if (c.varlen) {
     set_varlen_fields(pb, p);

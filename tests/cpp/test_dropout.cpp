@@ -206,18 +206,7 @@ TEST(Dropout, SameSeedSameBits) {
   for (int32_t threads : {1, 2, 3, 3}) {
     HostTensor out = HostTensor::contiguous(c.dtype, pb.q_shape(c.nheads, c.headdim_v));
     HostTensor lse = HostTensor::contiguous(FLARE_DTYPE_F32, pb.lse_shape());
-    flare_fwd_params f;
-    flare_fwd_params_init(&f);
-    f.q = pb.q.view();
-    f.k = pb.k.view();
-    f.v = pb.v.view();
-    f.out = out.view();
-    f.softmax_lse = lse.view();
-    f.attn.causal = 1;
-    f.exec.num_threads = threads;
-    f.dropout_p = c.dropout_p;
-    f.dropout_seed = pb.dropout_seed;
-    f.dropout_offset = pb.dropout_offset;
+    flare_fwd_params f = fwd_params(pb, out, lse, threads);
     FLARE_ASSERT_OK(flare_fwd(&f));
     forwards.push_back(out.values());
     if (threads != 3) continue;
@@ -225,7 +214,6 @@ TEST(Dropout, SameSeedSameBits) {
     HostTensor dk = HostTensor::contiguous(c.dtype, pb.k_shape(c.nheads_k, c.headdim));
     HostTensor dv = HostTensor::contiguous(c.dtype, pb.k_shape(c.nheads_k, c.headdim_v));
     flare_bwd_params b = bwd_params(pb, out, dout, lse, dq, dk, dv, true, threads);
-    b.attn.causal = 1;
     FLARE_ASSERT_OK(flare_bwd(&b));
     std::vector<double> all = dq.values();
     for (const HostTensor* t : {&dk, &dv}) {

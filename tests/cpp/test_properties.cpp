@@ -127,14 +127,7 @@ TEST(Properties, CallerWorkspaceGivesTheSameResult) {
     for (int with_workspace = 0; with_workspace < 2; ++with_workspace) {
       HostTensor out = HostTensor::contiguous(dtype, pb.q_shape(c.nheads, c.headdim_v));
       HostTensor lse = HostTensor::contiguous(FLARE_DTYPE_F32, pb.lse_shape());
-      flare_fwd_params f;
-      flare_fwd_params_init(&f);
-      f.q = pb.q.view();
-      f.k = pb.k.view();
-      f.v = pb.v.view();
-      f.out = out.view();
-      f.softmax_lse = lse.view();
-      f.attn = attn_options(pb, f.attn);
+      flare_fwd_params f = fwd_params(pb, out, lse, 0);
       std::vector<unsigned char> fwd_ws;
       if (with_workspace) {
         size_t bytes = 0;

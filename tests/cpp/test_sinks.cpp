@@ -70,15 +70,7 @@ TEST(Sinks, RowsWithoutKeysGetTheSinkAsLse) {
   HostTensor lse = HostTensor::contiguous(FLARE_DTYPE_F32, pb.lse_shape());
   out.poison_buffer();
   lse.poison_buffer();
-  flare_fwd_params p;
-  flare_fwd_params_init(&p);
-  p.q = pb.q.view();
-  p.k = pb.k.view();
-  p.v = pb.v.view();
-  p.out = out.view();
-  p.softmax_lse = lse.view();
-  p.attn.causal = 1;
-  p.sinks = pb.sinks.view();
+  flare_fwd_params p = fwd_params(pb, out, lse, 0);
   FLARE_ASSERT_OK(flare_fwd(&p));
   const std::vector<double> o = out.values(), l = lse.values(), sinks = pb.sinks.values();
   const int64_t empty_rows = 40 - 10;  // query i sees keys 0..i - 30
@@ -107,14 +99,7 @@ TEST(Sinks, MinusInfinityIsNoSink) {
     for (bool with_sinks : {false, true}) {
       HostTensor out = HostTensor::contiguous(dtype, pb.q_shape(c.nheads, c.headdim_v));
       HostTensor lse = HostTensor::contiguous(FLARE_DTYPE_F32, pb.lse_shape());
-      flare_fwd_params f;
-      flare_fwd_params_init(&f);
-      f.q = pb.q.view();
-      f.k = pb.k.view();
-      f.v = pb.v.view();
-      f.out = out.view();
-      f.softmax_lse = lse.view();
-      f.attn.causal = 1;
+      flare_fwd_params f = fwd_params(pb, out, lse, 0);
       if (with_sinks) f.sinks = none.view();
       FLARE_ASSERT_OK(flare_fwd(&f));
       HostTensor dout = HostTensor::contiguous(dtype, pb.q_shape(c.nheads, c.headdim_v));
@@ -126,7 +111,6 @@ TEST(Sinks, MinusInfinityIsNoSink) {
       HostTensor dsinks = HostTensor::contiguous(FLARE_DTYPE_F32, {c.nheads});
       dsinks.poison_buffer();
       flare_bwd_params b = bwd_params(pb, out, dout, lse, dq, dk, dv, true, 2);
-      b.attn.causal = 1;
       if (with_sinks) {
         b.sinks = none.view();
         b.dsinks = dsinks.view();
@@ -200,7 +184,6 @@ TEST(Sinks, DsinksIsBitwiseRepeatableAcrossThreadCounts) {
     HostTensor dv = HostTensor::contiguous(c.dtype, pb.k_shape(c.nheads_k, c.headdim_v));
     HostTensor dsinks = HostTensor::contiguous(FLARE_DTYPE_F32, {c.nheads});
     flare_bwd_params p = bwd_params(pb, out, dout, lse, dq, dk, dv, true, threads);
-    p.attn.causal = 1;
     p.dsinks = dsinks.view();
     FLARE_ASSERT_OK(flare_bwd(&p));
     runs.push_back(dsinks.values());
