@@ -41,9 +41,16 @@ flare_status merge_states(const detail::MergeProblem& p);
 // forward's tiles: few query rows per (sequence, kv head) — the group's heads x seqlen_q at most
 // kDecodeMaxRows — in fp32/fp16/bf16 (fp64, the checking dtype, keeps the forward).
 inline constexpr int64_t kDecodeMaxRows = 64;
+// A dense forward takes the decode path too when each kv head has at most kForwardDecodeMaxRows query rows
+// (decode-like calls: one or a few queries against many keys), where packing the keys for the forward's
+// tiles would cost more than the rows' products; not with dropout, which only the tiles draw, and not varlen:
+// the decode path gives every sequence the call's seqlen_q rows, as a KV-cache call has.
+inline constexpr int64_t kForwardDecodeMaxRows = 8;
 inline bool use_decode_path(const detail::Problem& p) {
-  return p.pass == detail::Pass::kKvCache && p.dtype != FLARE_DTYPE_F64 &&
-         p.nheads / p.nheads_k * p.seqlen_q <= kDecodeMaxRows;
+  if (p.dtype == FLARE_DTYPE_F64) return false;
+  const int64_t rows = p.nheads / p.nheads_k * p.seqlen_q;
+  if (p.pass == detail::Pass::kKvCache) return rows <= kDecodeMaxRows;
+  return p.pass == detail::Pass::kForward && !p.varlen && p.dropout_p == 0.0f && rows <= kForwardDecodeMaxRows;
 }
 
 // KV cache helpers (kvcache.cpp): scratch beyond the forward pass's, and the step before attending —

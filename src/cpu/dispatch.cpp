@@ -107,7 +107,7 @@ size_t scratch_size(const Problem& p, int nt) {
       if (__builtin_add_overflow(attend, kvcache_extra_scratch(p), &total)) return SIZE_MAX;
       return total;
     }
-    default: return kernels().forward_scratch(p, nt);
+    default: return use_decode_path(p) ? kernels().decode_scratch(p, nt) : kernels().forward_scratch(p, nt);
   }
 }
 
@@ -174,7 +174,13 @@ flare_status workspace_size(const Problem& p, size_t* bytes) { return checked_sc
 
 flare_status forward(const Problem& p) {
   const int nt = thread_count(p);
-  return with_scratch(p, nt, [&](void* s) { kernels().forward(p, s, nt); });
+  return with_scratch(p, nt, [&](void* s) {
+    if (use_decode_path(p)) {
+      kernels().decode(p, s, nt);
+    } else {
+      kernels().forward(p, s, nt);
+    }
+  });
 }
 
 flare_status backward(const Problem& p) {

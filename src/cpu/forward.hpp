@@ -224,7 +224,6 @@ inline void finish_rows(const Problem& p, T* o, int64_t ldo, const T* m, const T
 template <class T, class Tiles>
 inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int64_t i0, int64_t ntiles_wanted,
                           const ForwardScratch<T, Tiles>& ws, const typename ForwardScratch<T, Tiles>::PerThread& t) {
-  using V = vec_t<T>;
   constexpr int W = Simd<T>::W;
   constexpr int64_t Bq = Tiles::kBq, Bk = Tiles::kBk, G = Tiles::kTilesPerVisit;
   const int64_t d = p.headdim, dp = ws.dp, dvp = ws.dvp;
@@ -287,7 +286,9 @@ inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int6
       if (first > last || kb < first / Bk || kb > last / Bk) continue;
       // The last block is cut after the last visible key (causal diagonals, short sequences).
       const int64_t cols = smin(Bk, round_up(last + 1 - j0, W));
-      gemm_tile_panels<T, false>(in_place ? rows : Bq, cols, d, tl.q, ldq, key_panels<T, Tiles>(p, t, kb), t.s, Bk);
+      // Products over the tile's rows alone: a short sequence's tile (a decode-like query or the end of one)
+      // costs its rows, not kBq.
+      gemm_tile_panels<T, false>(rows, cols, d, tl.q, ldq, key_panels<T, Tiles>(p, t, kb), t.s, Bk);
       if (!plain || !block_fully_visible(mask, tl.i0, rows, j0, cols))
         shape_scores<T>(t.s, Bk, rows, cols, tl.i0, j0, mask, shape, nullptr);
       for (int64_t r = 0; r < rows; ++r) {
@@ -299,12 +300,10 @@ inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int6
                                               });
         if (alpha != T(1) && tl.started) scale_row<T>(tl.o + r * dvp, dvp, alpha);
       }
-      for (int64_t r = rows; r < Bq; ++r)
-        for (int64_t c = 0; c < cols; c += W) vstore(t.p + r * Bk + c, V{});
       if (tl.started) {
-        gemm_tile_panels<T, true>(Bq, dvp, cols, t.p, Bk, value_panels<T, Tiles>(ws, t, kb), tl.o, dvp);
+        gemm_tile_panels<T, true>(rows, dvp, cols, t.p, Bk, value_panels<T, Tiles>(ws, t, kb), tl.o, dvp);
       } else {
-        gemm_tile_panels<T, false>(Bq, dvp, cols, t.p, Bk, value_panels<T, Tiles>(ws, t, kb), tl.o, dvp);
+        gemm_tile_panels<T, false>(rows, dvp, cols, t.p, Bk, value_panels<T, Tiles>(ws, t, kb), tl.o, dvp);
         tl.started = true;
       }
       add_seen_nonfinite_values<T>(p, seq, h, t.v_flags + j0, j0, cols, tl.i0, rows, tl.o, dvp);

@@ -425,15 +425,18 @@ TEST(MergeStates, MatchesReferenceOverTheUnionOfKeys) {
       if (!in_place) expect_fully_overwritten(out, "out");
       expect_fully_overwritten(lse, "lse");
       // Allowance: the inputs and the output rounded to the dtype, the lse to fp32 (whatever the dtype: its
-      // rounding, times |lse|, moves the weights), fp32 arithmetic.
+      // rounding, times |lse|, moves the weights), fp32 arithmetic, and one unit in the output's last place (as
+      // attention_harness.hpp's rule has it: the merge of two rounded inputs, rounded again, can land on the
+      // neighbour of the reference's rounding; FLARE_TEST_SEED=2903725851 at fp16 did, by 1.3 units).
       std::vector<double> rounded(ru_out);
       for (double& x : rounded) x = round_to(dtype, x);
       const double naive = compare(rounded, ru_out).max_error;
       const double compute = 64 * unit_roundoff(FLARE_DTYPE_F32);
       const std::vector<double> got = out.values();
       const ErrorStats err = compare(got, ru_out);
+      const double ulp = 2 * unit_roundoff(dtype);
       EXPECT_EQ(err.bad, 0) << describe(err, got, ru_out);
-      EXPECT_LE(err.max_error, 3 * naive + compute * std::max(1.0, err.max_ref)) << describe(err, got, ru_out);
+      EXPECT_LE(err.max_error, 3 * naive + (compute + ulp) * std::max(1.0, err.max_ref)) << describe(err, got, ru_out);
       const std::vector<double> got_lse = lse.values();
       for (size_t i = 0; i < got_lse.size(); ++i) {
         if (std::isinf(ru_lse[i])) {
