@@ -319,8 +319,17 @@ void check_attention(const AttnArgs& a, Problem* p) {
 // it (it was appended after 0.1.0, whose structs end before it), else AUTO.
 template <class Params>
 flare_arch_path read_arch_path(const Params& params) {
-  const bool has_field = params.struct_size >= offsetof(Params, arch_path) + sizeof(params.arch_path);
-  return has_field ? check_arch_path(params.arch_path) : FLARE_ARCH_PATH_AUTO;
+  return covers(params, &Params::arch_path) ? check_arch_path(params.arch_path) : FLARE_ARCH_PATH_AUTO;
+}
+
+// The dropout fields of a flare_fwd_params or flare_bwd_params (appended after 0.1.0: off where the caller's
+// struct ends before them).
+template <class Params>
+void read_dropout(const Params& params, Problem* p) {
+  if (!covers(params, &Params::dropout_offset)) return;
+  p->dropout_p = check_dropout_p(params.dropout_p);
+  p->dropout_seed = params.dropout_seed;
+  p->dropout_offset = params.dropout_offset;
 }
 
 }  // namespace
@@ -331,7 +340,7 @@ flare_status validate_fwd(const flare_fwd_params* params, bool varlen, Problem* 
                       "flare_fwd_params");
     const flare_fwd_params& f = *params;
     // block_table was appended after arch_path: absent where the caller's struct ends before it.
-    const bool has_block_table = f.struct_size >= offsetof(flare_fwd_params, block_table) + sizeof(f.block_table);
+    const bool has_block_table = covers(f, &flare_fwd_params::block_table);
     const flare_tensor no_tensor{};
     const AttnArgs args{varlen ? "flare_fwd_varlen" : "flare_fwd", Pass::kForward, varlen, f.q, f.k, f.v,
                         f.out, f.softmax_lse, f.cu_seqlens_q, f.cu_seqlens_k, f.seqused_k,
@@ -341,11 +350,7 @@ flare_status validate_fwd(const flare_fwd_params* params, bool varlen, Problem* 
     check_attention(args, &p);
     p.arch_path = read_arch_path(f);
     if (covers(f, &flare_fwd_params::sinks)) p.sinks = check_sinks(f.sinks, "sinks", f.q, p.nheads);
-    if (covers(f, &flare_fwd_params::dropout_offset)) {
-      p.dropout_p = check_dropout_p(f.dropout_p);
-      p.dropout_seed = f.dropout_seed;
-      p.dropout_offset = f.dropout_offset;
-    }
+    read_dropout(f, &p);
     require_no_overlap(f.out, "out");
     if (is_present(f.softmax_lse)) require_no_overlap(f.softmax_lse, "softmax_lse");
     *problem = p;
@@ -394,11 +399,7 @@ flare_status validate_bwd(const flare_bwd_params* params, bool varlen, Problem* 
       }
       if (p.dsinks != nullptr) require_no_overlap(b.dsinks, "dsinks");
     }
-    if (covers(b, &flare_bwd_params::dropout_offset)) {
-      p.dropout_p = check_dropout_p(b.dropout_p);
-      p.dropout_seed = b.dropout_seed;
-      p.dropout_offset = b.dropout_offset;
-    }
+    read_dropout(b, &p);
     for (int i = 1; i < 4; ++i) require_no_overlap(*grads[i].first, grads[i].second);
     const auto operand = varlen ? varlen_operand : dense_operand;
     p.dout = operand(b.dout);

@@ -350,6 +350,15 @@ void set_varlen_fields(const AttnProblem& pb, Params& p) {
   }
 }
 
+// The sinks and dropout of a problem, into flare_fwd_params or flare_bwd_params.
+template <class Params>
+void set_sinks_and_dropout(const AttnProblem& pb, Params& p) {
+  p.sinks = pb.sinks.view();
+  p.dropout_p = pb.c.dropout_p;
+  p.dropout_seed = pb.dropout_seed;
+  p.dropout_offset = pb.dropout_offset;
+}
+
 // Forward params over a problem's inputs and options (sinks and dropout included) writing out and lse (which
 // may be absent), dense layout; varlen fields, when wanted, come from set_varlen_fields.
 inline flare_fwd_params fwd_params(const AttnProblem& pb, const HostTensor& out, const HostTensor& lse,
@@ -363,10 +372,7 @@ inline flare_fwd_params fwd_params(const AttnProblem& pb, const HostTensor& out,
   p.softmax_lse = lse.view();
   p.attn = attn_options(pb, p.attn);
   p.exec.num_threads = num_threads;
-  p.sinks = pb.sinks.view();
-  p.dropout_p = pb.c.dropout_p;
-  p.dropout_seed = pb.dropout_seed;
-  p.dropout_offset = pb.dropout_offset;
+  set_sinks_and_dropout(pb, p);
   return p;
 }
 
@@ -388,10 +394,7 @@ inline flare_bwd_params bwd_params(const AttnProblem& pb, const HostTensor& out,
   p.deterministic = deterministic ? 1 : 0;
   p.attn = attn_options(pb, p.attn);
   p.exec.num_threads = num_threads;
-  p.sinks = pb.sinks.view();
-  p.dropout_p = pb.c.dropout_p;
-  p.dropout_seed = pb.dropout_seed;
-  p.dropout_offset = pb.dropout_offset;
+  set_sinks_and_dropout(pb, p);
   return p;
 }
 
