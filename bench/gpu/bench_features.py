@@ -7,6 +7,10 @@
   window   a causal sliding window of 4096 keys, 16 heads of 128, 16K tokens (batch = 16384 // seqlen)
   softcap  causal with softcap 50, the same shapes
   causal   flare's plain causal rate on the window/softcap shapes: the yardstick for both (the goal is >= 0.95x)
+  training the cost of the training features on flare's own calls, forward and backward, causal and not: dropout
+           0.1 (goal <= 1.15x the time without) and one sink per head (goal <= 1.03x); head dims 64 and 128,
+           seqlen 2K and 8K, 16K tokens, width 2048. The forward with dropout runs on the sm80 path (the sm90
+           path leaves dropout to it), so its rows also carry the ratio to a forced-sm80 call without dropout.
 
 torch SDPA has no window or softcap: there FlexAttention (torch.compile'd, block mask + score_mod) is the peer.
 Each shape's flare output is checked before timing: the last query rows of heads 0 and 1 against an fp32
@@ -21,6 +25,7 @@ median). Ceilings of the run: an 8192^3 bf16 matmul and a 1 GiB copy.
 
 import argparse
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -39,12 +44,16 @@ FEATURE_SEQLENS = [4096, 8192, 16384]
 WINDOW = 4096
 SOFTCAP = 50.0
 CHECK_ROWS = 128  # query rows (the last ones) per checked head
+GROUPS = ["gqa", "window", "softcap", "training"]
+TRAINING_GOALS = {"dropout": 1.15, "sinks": 1.03}
+TRAINING_HEADDIMS = [64, 128]
+TRAINING_SEQLENS = [2048, 8192]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, help="directory for the result JSON (default bench/results)")
-    p.add_argument("--groups", nargs="+", choices=["gqa", "window", "softcap"], default=["gqa", "window", "softcap"])
+    p.add_argument("--groups", nargs="+", choices=GROUPS, default=GROUPS)
     p.add_argument("--gqa-seqlens", type=int, nargs="+", default=GQA_SEQLENS)
     p.add_argument("--seqlens", type=int, nargs="+", default=FEATURE_SEQLENS, help="window / softcap seqlens")
     p.add_argument("--tokens", type=int, default=16384, help="window / softcap: batch = tokens // seqlen")
@@ -55,9 +64,55 @@ def parse_args(argv=None):
     p.add_argument("--rep-ms", type=int, default=300)
     p.add_argument("--timer", choices=["events", "cudagraph"], default="events")
     args = p.parse_args(argv)
+    args.training_shapes = [(d, s, args.tokens, 2048) for d in TRAINING_HEADDIMS for s in TRAINING_SEQLENS]
     if args.small:
         args.gqa_seqlens, args.seqlens, args.tokens = [384], [256], 512
+        args.training_shapes = [(64, 256, 512, 128)]
     return args
+
+
+def run_training(args, time_ms, log):
+    """Rows of group "training": each feature's time over the same flare call without it (interleaved twice)."""
+    dev, rows = args.device, []
+    for (d, s, tokens, width) in args.training_shapes:
+        b, h = max(1, tokens // s), width // d
+        q, k, v, dout = (torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16) for _ in range(4))
+        sinks = torch.randn(h, device=dev, dtype=torch.float32)
+        for causal in (False, True):
+            base = bench_gpu.FlareAbi(q, k, v, dout, causal)
+            base80 = bench_gpu.FlareAbi(q, k, v, dout, causal, "sm80" if dev == "cuda" else "auto")
+            variants = {"dropout": bench_gpu.FlareAbi(q, k, v, dout, causal, dropout_p=0.1),
+                        "sinks": bench_gpu.FlareAbi(q, k, v, dout, causal, sinks=sinks)}
+            for pass_ in ("fwd", "bwd"):
+                for feature, with_ in variants.items():
+                    fns = {"base": getattr(base, pass_), "with": getattr(with_, pass_)}
+                    if feature == "dropout" and pass_ == "fwd":
+                        fns["base_sm80"] = base80.fwd
+                    times = {name: [] for name in fns}
+                    for _ in range(2):
+                        for name, fn in fns.items():
+                            times[name].append(time_ms(fn))
+                    ms = {name: statistics.median(t) for name, t in times.items()}
+                    ratio = ms["with"] / ms["base"]
+                    row = {"pass": pass_, "group": "training", "feature": feature, "impl": "flare", "dtype": "bf16",
+                           "batch": b, "seqlen_q": s, "seqlen_k": s, "nheads": h, "nheads_k": h, "headdim": d,
+                           "causal": causal, "base_ms": round(ms["base"], 5), "with_ms": round(ms["with"], 5),
+                           "ratio": round(ratio, 3), "goal": TRAINING_GOALS[feature],
+                           "meets_goal": ratio <= TRAINING_GOALS[feature],
+                           "tflops": round(attention_flops(pass_, b, h, s, s, d, causal) / (ms["with"] * 1e-3) / 1e12,
+                                           2)}
+                    if "base_sm80" in ms:
+                        row["base_sm80_ms"] = round(ms["base_sm80"], 5)
+                        row["ratio_vs_sm80"] = round(ms["with"] / ms["base_sm80"], 3)
+                    rows.append(row)
+                    extra = f"  (vs sm80 {row['ratio_vs_sm80']:.3f})" if "ratio_vs_sm80" in row else ""
+                    log(f"training {feature:<7} {pass_} b{b} s{s} h{h} d{d} causal={int(causal)}: "
+                        f"{ms['base']:.3f} -> {ms['with']:.3f} ms, ratio {ratio:.3f} (goal <= "
+                        f"{TRAINING_GOALS[feature]}){extra}")
+            del base, base80, variants
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    return rows
 
 
 class Shape:
@@ -277,6 +332,8 @@ def main(argv=None):
         rows += shape_rows
         if args.device == "cuda":
             torch.cuda.empty_cache()
+    if "training" in args.groups:
+        rows += run_training(args, time_ms, lambda m: print(m, flush=True))
     out_dir = args.out or REPO / "bench" / "results"
     path = run_meta.write_result(run_meta.default_result_path(out_dir, "gpu-features" if args.device == "cuda"
                                                               else "cpu-features-check"), {"meta": meta, "rows": rows})

@@ -84,9 +84,11 @@ def sdpa_backends():
 
 class FlareAbi:
     """flare through the C ABI, params built once (the timed call is one ctypes call). Layout (b, s, h, d); k
-    and v may have fewer heads (GQA); window (left, right) with -1 for unbounded, softcap 0 for none."""
+    and v may have fewer heads (GQA); window (left, right) with -1 for unbounded, softcap 0 for none; sinks an
+    fp32 (h,) tensor or None; dropout_p 0 for none (seed and offset fixed: the same mask every call)."""
 
-    def __init__(self, q, k, v, dout, causal, arch_path="auto", window=(-1, -1), softcap=0.0):
+    def __init__(self, q, k, v, dout, causal, arch_path="auto", window=(-1, -1), softcap=0.0, sinks=None,
+                 dropout_p=0.0):
         from flare import _capi
         lib = _capi.library()
         tv = _capi.tensor_view
@@ -102,6 +104,10 @@ class FlareAbi:
         fp.attn.window_left, fp.attn.window_right = window
         fp.attn.softcap = softcap
         fp.exec.stream = stream
+        if sinks is not None:
+            self.keep.append(sinks)
+            fp.sinks = tv(sinks)
+        fp.dropout_p, fp.dropout_seed, fp.dropout_offset = dropout_p, 7, 3
         fp.arch_path = _capi.arch_path_value(arch_path)
         self._workspace(fp, lib.fwd_workspace_size(fp, False), q.device)
         bp = lib.bwd_params()
@@ -111,6 +117,9 @@ class FlareAbi:
         bp.attn.window_left, bp.attn.window_right = window
         bp.attn.softcap = softcap
         bp.exec.stream = stream
+        if sinks is not None:
+            bp.sinks = tv(sinks)
+        bp.dropout_p, bp.dropout_seed, bp.dropout_offset = dropout_p, 7, 3
         self._workspace(bp, lib.bwd_workspace_size(bp, False), q.device)
         self.fwd_params, self.bwd_params = fp, bp
         self.fwd()  # the backward reads out and lse: never time it on an unwritten pair
