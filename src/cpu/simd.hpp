@@ -364,7 +364,16 @@ inline void store_row(const T* src, T mul, void* dst, flare_dtype dtype, int64_t
     }
     case FLARE_DTYPE_F16: {
       uint16_t* d = static_cast<uint16_t*>(dst);
-      for (int64_t c = 0; c < n; ++c) d[c] = float_to_f16(static_cast<float>(src[c] * mul));
+      int64_t c = 0;
+#if defined(__F16C__)
+      for (; c + 8 <= n; c += 8) {  // the same rounding as float_to_f16, eight at a time
+        float tmp[8];
+        for (int i = 0; i < 8; ++i) tmp[i] = static_cast<float>(src[c + i] * mul);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(d + c),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(tmp), _MM_FROUND_TO_NEAREST_INT));
+      }
+#endif
+      for (; c < n; ++c) d[c] = float_to_f16(static_cast<float>(src[c] * mul));
       break;
     }
     default:
