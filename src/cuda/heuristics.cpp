@@ -7,6 +7,7 @@
 #include <string_view>
 
 #include "common/error.hpp"
+#include "cuda/decode/plan.hpp"
 
 namespace flare::cuda {
 namespace {
@@ -150,6 +151,48 @@ BwdLayout sm80_bwd_layout(const Problem& p, int tile, int block_n, int sm_count)
   l.dsum = align256(sizeof(float) * p.nheads * l.q_rows);
   l.dq = align256(sizeof(float) * l.splits * p.nheads * l.q_rows * tile);
   l.dkv = p.nheads != p.nheads_k ? 2 * align256(sizeof(float) * p.nheads * l.k_rows * tile) : 0;
+  return l;
+}
+
+int decode_tile(const Problem& p, std::span<const int> tiles) {
+  const int64_t need = std::max(p.headdim, p.headdim_v);
+  for (int d : tiles) {
+    if (d >= need) return d;
+  }
+  return 0;
+}
+
+int64_t decode_rows(const Problem& p) { return p.nheads / std::max<int64_t>(1, p.nheads_k) * p.seqlen_q; }
+
+int64_t decode_row_chunks(const Problem& p) {
+  return std::max<int64_t>(1, (decode_rows(p) + decode::kRows - 1) / decode::kRows);
+}
+
+int decode_splits(const Problem& p, int sm_count) {
+  const int64_t keys = p.seqlen_cache + p.seqlen_new;
+  const int64_t tiles = std::max<int64_t>(1, (keys + decode::kBlockN - 1) / decode::kBlockN);
+  const int64_t most = std::min<int64_t>(tiles, decode::kMaxSplits);
+  if (p.num_splits > 0) return static_cast<int>(std::clamp<int64_t>(p.num_splits, 1, most));
+  const int64_t ctas = p.batch * p.nheads_k * decode_row_chunks(p);
+  const int64_t target = 2 * int64_t{std::max(sm_count, 1)};
+  if (ctas == 0 || ctas >= target) return 1;
+  const int64_t want = (target + ctas - 1) / ctas;
+  const int64_t by_length = std::max<int64_t>(1, keys / kMinKeysPerSplit);
+  return static_cast<int>(std::clamp<int64_t>(std::min(want, by_length), 1, most));
+}
+
+DecodeLayout decode_layout(const Problem& p, int sm_count) {
+  DecodeLayout l;
+  l.splits = decode_splits(p, sm_count);
+  l.row_chunks = decode_row_chunks(p);
+  if (p.rotary_dim > 0) {
+    l.q_rot = align256(static_cast<size_t>(p.batch * p.seqlen_q * p.nheads * p.headdim) * 2);  // fp16 / bf16
+  }
+  if (l.splits > 1) {
+    const size_t parts = static_cast<size_t>(p.batch * p.nheads_k * decode_rows(p) * l.splits);
+    l.part_o = align256(parts * static_cast<size_t>(p.headdim_v) * sizeof(float));
+    l.part_lse = align256(parts * sizeof(float));
+  }
   return l;
 }
 
