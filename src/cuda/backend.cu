@@ -497,8 +497,10 @@ flare_status kvcache(const Problem& p) {
   }
   if (e == cudaSuccess && attend) {
     step = "the decode attention kernel";
-    e = decode_dispatch(p.dtype, tile, cudaErrorInvalidValue,
-                        [&]<flare_dtype D, int d>() { return decode::run_attention<D, d>(k, stream); });
+    e = decode_dispatch(p.dtype, tile, cudaErrorInvalidValue, [&]<flare_dtype D, int d>() {
+      if constexpr (kHasForward) return decode::run_attention<D, d>(k, stream);  // units of the fwd pass
+      return cudaErrorInvalidValue;  // unreachable: plan_kvcache refuses a build without the forward
+    });
   }
   if (e == cudaSuccess && attend && l.splits > 1) {
     step = "the split-KV combine kernel";

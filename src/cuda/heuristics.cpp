@@ -170,7 +170,7 @@ int64_t decode_row_chunks(const Problem& p) {
 
 int decode_splits(const Problem& p, int sm_count) {
   const int64_t keys = p.seqlen_cache + p.seqlen_new;
-  const int64_t tiles = std::max<int64_t>(1, (keys + decode::kBlockN - 1) / decode::kBlockN);
+  const int64_t tiles = std::max<int64_t>(1, (keys + decode::kTileKeys - 1) / decode::kTileKeys);
   const int64_t most = std::min<int64_t>(tiles, decode::kMaxSplits);
   if (p.num_splits > 0) return static_cast<int>(std::clamp<int64_t>(p.num_splits, 1, most));
   const int64_t ctas = p.batch * p.nheads_k * decode_row_chunks(p);

@@ -174,7 +174,7 @@ int64_t decode_row_chunks(const detail::Problem& p);
 
 // The split count of a KV-cache call (p.num_splits; 0 = this rule). The host knows no sequence's length (the
 // lengths live on the device and are never read back), so the rule takes the cache's capacity plus the keys
-// appended, an upper bound. Explicit counts are honoured up to one split per 32-key tile of that bound and
+// appended, an upper bound. Explicit counts are honoured up to one split per 16-key tile of that bound and
 // decode::kMaxSplits. The heuristic: one split while the (sequence, kv head, row chunk) CTAs already give every
 // SM two (two CTAs of the kernel share an H100 / H200 SM); else enough splits for that, but none shorter than
 // kMinKeysPerSplit keys (a split's pipeline fill and its share of the combine cost more than a shorter split

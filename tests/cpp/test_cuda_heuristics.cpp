@@ -482,11 +482,11 @@ TEST(CudaDecode, ExplicitSplitsAreHonouredWithinTheKeys) {
     p.num_splits = n;
     EXPECT_EQ(decode_splits(p, 132), n);
   }
-  Problem p = kvcache_call(1, 64);  // two 32-key tiles
+  Problem p = kvcache_call(1, 64);  // four 16-key tiles
   p.num_splits = 7;
-  EXPECT_EQ(decode_splits(p, 132), 2) << "no more splits than key tiles";
+  EXPECT_EQ(decode_splits(p, 132), 4) << "no more splits than key tiles";
   p.seqlen_new = 1;
-  EXPECT_EQ(decode_splits(p, 132), 3) << "the appended keys count";
+  EXPECT_EQ(decode_splits(p, 132), 5) << "the appended keys count";
   p = kvcache_call(1, 1 << 20);
   p.num_splits = 100000;
   EXPECT_EQ(decode_splits(p, 132), decode::kMaxSplits);
@@ -620,10 +620,10 @@ TEST(CudaDecode, SplitsCoverTheKeysOnceInWholeTiles) {
         std::vector<int> seen(n, 0);
         int next = begin;
         for (int s = 0; s < splits; ++s) {
-          const decode::KeySpan part = decode::split_keys(all, splits, s, decode::kBlockN);
+          const decode::KeySpan part = decode::split_keys(all, splits, s, decode::kTileKeys);
           if (part.size() == 0) continue;
           EXPECT_EQ(part.begin, next) << "splits are in order, back to back";
-          EXPECT_EQ((part.begin - begin) % decode::kBlockN, 0) << "splits start on a tile";
+          EXPECT_EQ((part.begin - begin) % decode::kTileKeys, 0) << "splits start on a tile";
           EXPECT_LE(part.end, begin + n);
           for (int j = part.begin; j < part.end; ++j) ++seen[j - begin];
           next = part.end;
@@ -648,11 +648,11 @@ TEST(CudaDecode, PageTableWalkMatchesBruteForce) {
       for (int i = 0; i < blocks; ++i) table[i] = (i * 7919 + 13) % 1009;  // scattered, distinct
       for (int splits : {1, 3}) {
         for (int s = 0; s < splits; ++s) {
-          const decode::KeySpan mine = decode::split_keys({0, len_k}, splits, s, decode::kBlockN);
-          for (int n0 = mine.begin; n0 < mine.end; n0 += decode::kBlockN) {
+          const decode::KeySpan mine = decode::split_keys({0, len_k}, splits, s, decode::kTileKeys);
+          for (int n0 = mine.begin; n0 < mine.end; n0 += decode::kTileKeys) {
             const int64_t slot0 = int64_t{leftpad} + n0;
-            const bool one = decode::slots_in_one_block(slot0, decode::kBlockN, block_size);
-            for (int jj = 0; jj < decode::kBlockN && n0 + jj < mine.end; ++jj) {
+            const bool one = decode::slots_in_one_block(slot0, decode::kTileKeys, block_size);
+            for (int jj = 0; jj < decode::kTileKeys && n0 + jj < mine.end; ++jj) {
               const int64_t slot = slot0 + jj;
               const decode::Slot got = one ? decode::Slot{table[slot0 / block_size], slot0 % block_size + jj}
                                            : decode::slot_of(table.data(), block_size, slot);
@@ -672,7 +672,10 @@ TEST(CudaDecode, PageTableWalkMatchesBruteForce) {
 TEST(CudaDecode, SharedMemoryFitsEverySm80FamilyGpu) {
   for (int d : kDecodeHeadDims) {
     EXPECT_LE(decode::smem_bytes(d, 2), kSmallSmemBytes) << "head dim tile " << d;
-    EXPECT_GE(decode::stages_for(d), 2);
+    EXPECT_GE(decode::warp_stages_for(d), 2) << "a warp loads one tile while it computes another";
+    EXPECT_GE(decode::kv_smem_bytes(d, 2), decode::warps_for(d) * decode::kRows * d * 4)
+        << "the warps' fp32 partial outputs fit the stages they reuse";
+    EXPECT_EQ(d % 64, 0) << "decode tiles fill whole 64-element swizzle rows";
   }
 }
 

@@ -404,3 +404,29 @@ def test_through_the_op(page):
     """flare.ops.fwd_kvcache (the torch custom op) takes the same route as flash_attn_with_kvcache."""
     check_kv_case(KvCase(seqlen_q=2, capacity=CAPACITY, page=page, seqlen_new=2, causal=True, via_op=True,
                          num_splits=3))
+
+
+def test_internal_workspace():
+    """The C ABI without a caller's workspace (CUDA: a stream-ordered allocation inside the call) gives what the
+    Python layer's call with one gives, bit for bit: the same kernels and split count."""
+    from flare import _capi
+    case = KvCase(batch=2, seqlen_q=2, capacity=LONG_CAPACITY, page=16, cache_seqlens=[LONG_CAPACITY - 1, 37],
+                  seqlen_new=1, rotary="halves", causal=True, num_splits=3)
+    inputs = make_inputs(case)
+    k_cache, v_cache = inputs["k_cache"].clone(), inputs["v_cache"].clone()
+    out, lse = run_flare(case, inputs)
+    lib, tv = _capi.library(), _capi.tensor_view
+    p = lib.kvcache_params()
+    mine, mine_lse = torch.empty_like(out), torch.empty_like(lse)
+    p.q, p.k_cache, p.v_cache, p.out, p.softmax_lse = tv(inputs["q"]), tv(k_cache), tv(v_cache), tv(mine), tv(mine_lse)
+    p.k_new, p.v_new = tv(inputs["k_new"]), tv(inputs["v_new"])
+    p.cache_seqlens, p.block_table = tv(inputs["cache_seqlens"]), tv(inputs["block_table"])
+    p.rotary_cos, p.rotary_sin = tv(inputs["cos"]), tv(inputs["sin"])
+    p.num_splits = case.num_splits
+    p.attn.causal = 1
+    if DEVICE == "cuda":
+        p.exec.stream = torch.cuda.current_stream().cuda_stream
+    lib.fwd_kvcache(p)
+    assert torch.equal(mine, out) and torch.equal(mine_lse, lse), "the call without a workspace differs"
+    assert _nan_equal(k_cache, inputs["k_cache"]) and _nan_equal(v_cache, inputs["v_cache"]), \
+        "the cache appended without a workspace differs"

@@ -87,15 +87,10 @@ __device__ __forceinline__ E from_float(float x) {
   }
 }
 
-// ---- cp.async (sm_80+): 16 bytes global -> shared, zero-filled when src_bytes is 0 ------------------------
+// ---- cp.async (sm_80+): 16 bytes global -> shared, zero-filled when src_bytes is 0 (commit and wait: CuTe's)
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int src_bytes) {
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
 }  // namespace flare::cuda::decode

@@ -12,28 +12,34 @@
 namespace flare::cuda::decode {
 
 // ---- the kernel's shape (one place: the kernels, the heuristic and the tests read these) ----------------
-inline constexpr int kThreads = 128;  // 4 warps
-inline constexpr int kRows = 16;      // packed query rows per CTA (GQA heads x query positions)
-inline constexpr int kBlockN = 32;    // keys per tile: one per lane in the softmax
+// A CTA holds kRows packed query rows (the m16 of one mma.sync tile) and its warps walk the keys of its split
+// in tiles of kTileKeys, each warp its own tiles through its own cp.async stages (no CTA barrier in the loop);
+// their partial results are merged once at the end.
+inline constexpr int kRows = 16;
+inline constexpr int kTileKeys = 16;  // keys per warp tile, and the unit splits are cut in
 inline constexpr int kMaxSplits = 128;
 
-// Shared-memory row of a K or V tile: the head-dim tile plus 32 elements (64 bytes), so that the 16-byte reads
-// of a quarter warp (two keys, four 16-byte columns each) fall on distinct banks. Decode tiles are multiples
-// of 64.
-constexpr int smem_row(int head_dim_tile) { return head_dim_tile + 32; }
+// Warps per CTA and cp.async stages per warp: as many K+V tiles in flight as keep a CTA under the 99 KB of
+// shared memory that every sm80-family GPU gives a block (68-72 KB; the registers then let two CTAs share an
+// H100 / H200 SM at head dim 128).
+constexpr int warps_for(int head_dim_tile) { return head_dim_tile <= 128 ? 4 : 2; }
+constexpr int threads_for(int head_dim_tile) { return 32 * warps_for(head_dim_tile); }
+constexpr int warp_stages_for(int head_dim_tile) { return head_dim_tile <= 64 ? 4 : 2; }
 
-// Stages of the cp.async pipeline: as many 32-key K+V tiles in flight as keep the CTA under the 99 KB of
-// shared memory that every sm80-family GPU gives a block (two CTAs then share an H100 / H200 SM).
-constexpr int stages_for(int head_dim_tile) { return head_dim_tile <= 128 ? 4 : 2; }
-
-// Shared memory of one CTA: q (fp32), the K and V stages (smem_row elements a key), the scores of one tile and
-// the per-row softmax state.
+// Elements of one K (or V) tile of a warp stage, and the bytes of the parts of a CTA's shared memory: q, the
+// warps' K and V stages (which the warps' fp32 partial outputs reuse at the end), and the warps' row maxima
+// and sums.
+constexpr int tile_elements(int head_dim_tile) { return kTileKeys * head_dim_tile; }
+constexpr int q_smem_bytes(int head_dim_tile, int element_bytes) { return kRows * head_dim_tile * element_bytes; }
+constexpr int kv_smem_bytes(int head_dim_tile, int element_bytes) {
+  const int stages = warps_for(head_dim_tile) * warp_stages_for(head_dim_tile) * 2 * tile_elements(head_dim_tile) *
+                     element_bytes;
+  const int merge = warps_for(head_dim_tile) * kRows * head_dim_tile * 4;
+  return stages > merge ? stages : merge;
+}
 constexpr int smem_bytes(int head_dim_tile, int element_bytes) {
-  const int q = kRows * head_dim_tile * 4;
-  const int kv = 2 * stages_for(head_dim_tile) * kBlockN * smem_row(head_dim_tile) * element_bytes;
-  const int scores = kRows * kBlockN * 4;
-  const int stats = 3 * kRows * 4;
-  return q + kv + scores + stats;
+  return q_smem_bytes(head_dim_tile, element_bytes) + kv_smem_bytes(head_dim_tile, element_bytes) +
+         2 * warps_for(head_dim_tile) * kRows * 4;
 }
 
 // ---- which queries and keys a CTA covers -------------------------------------------------------------------
