@@ -384,6 +384,11 @@ flare_status plan_kvcache(const Problem& p, int* tile, DeviceProps* dev) {
                                        "in this build (decode tiles built: ", head_dims_string(kDecodeTiles.span()),
                                        "; configure with FLARE_HEADDIMS to add tiles)"));
   }
+  if (const int need = decode::smem_bytes(*tile, 2); need > dev->smem_per_block) {
+    return fail(FLARE_UNSUPPORTED, cat("the CUDA KV-cache kernel of head-dim tile ", *tile, " takes ", need, " bytes of "
+                                       "shared memory per block but this GPU allows ", dev->smem_per_block,
+                                       " (FLARE_CUDA_SMEM_LIMIT may cut it)"));
+  }
   return FLARE_OK;
 }
 
