@@ -176,9 +176,22 @@ int decode_splits(const Problem& p, int sm_count) {
   const int64_t ctas = p.batch * p.nheads_k * decode_row_chunks(p);
   const int64_t target = 2 * int64_t{std::max(sm_count, 1)};
   if (ctas == 0 || ctas >= target) return 1;
-  const int64_t want = (target + ctas - 1) / ctas;
-  const int64_t by_length = std::max<int64_t>(1, keys / kMinKeysPerSplit);
-  return static_cast<int>(std::clamp<int64_t>(std::min(want, by_length), 1, most));
+  // A split count s runs the CTAs in rounds(s) = ceil(ctas * s / target) rounds, each reading 1/s of the keys
+  // and paying a CTA's fixed cost (start, pipeline fill, epilogue): time(s) ~ rounds(s) * (1/s + fixed), with
+  // fixed = kCtaFixedCostBytes / (the K and V bytes of one sequence's kv head). The smallest count within 2% of
+  // the fastest wins. E.g. 64 CTAs on 132 SMs at 32K keys: 4 splits (256 CTAs, one round), not 5 (320: two).
+  const int64_t limit = std::min(most, std::max<int64_t>(1, keys / kMinKeysPerSplit));
+  const double kv_bytes = static_cast<double>(std::max<int64_t>(keys, 1)) * static_cast<double>(p.headdim + p.headdim_v) * 2.0;
+  const double fixed = kCtaFixedCostBytes / kv_bytes;
+  const auto time = [&](int64_t s) {
+    const double rounds = static_cast<double>((ctas * s + target - 1) / target);
+    return rounds * (1.0 / static_cast<double>(s) + fixed);
+  };
+  double fastest = time(1);
+  for (int64_t s = 2; s <= limit; ++s) fastest = std::min(fastest, time(s));
+  int64_t best = 1;
+  while (best < limit && time(best) > 1.02 * fastest) ++best;
+  return static_cast<int>(best);
 }
 
 DecodeLayout decode_layout(const Problem& p, int sm_count) {

@@ -176,10 +176,13 @@ int64_t decode_row_chunks(const detail::Problem& p);
 // lengths live on the device and are never read back), so the rule takes the cache's capacity plus the keys
 // appended, an upper bound. Explicit counts are honoured up to one split per 16-key tile of that bound and
 // decode::kMaxSplits. The heuristic: one split while the (sequence, kv head, row chunk) CTAs already give every
-// SM two (two CTAs of the kernel share an H100 / H200 SM); else enough splits for that, but none shorter than
-// kMinKeysPerSplit keys (a split's pipeline fill and its share of the combine cost more than a shorter split
-// saves) and at most decode::kMaxSplits.
+// SM two (two CTAs of the kernel share an SM at head dim 128); else the count that finishes soonest when the
+// CTAs run in rounds of two per SM, each round paying a CTA's fixed cost (wave quantisation: a count that
+// spills into a second round mostly loses to a smaller one), none shorter than kMinKeysPerSplit keys and at
+// most decode::kMaxSplits. kCtaFixedCostBytes: a CTA's fixed cost as the bytes it could have read meanwhile
+// (about 5 us at an H200's bandwidth shared by 264 CTAs); an estimate, to be fitted on the GPU.
 inline constexpr int64_t kMinKeysPerSplit = 256;
+inline constexpr double kCtaFixedCostBytes = 90.0 * 1024;
 int decode_splits(const detail::Problem& p, int sm_count);
 
 // The KV-cache pass's workspace (each part 256-byte aligned): the rotated q (rotary calls) in q's dtype,

@@ -505,24 +505,39 @@ TEST(CudaDecode, HeuristicFillsTheGpuWithLongEnoughSplits) {
   // Short caches: no split below kMinKeysPerSplit keys.
   EXPECT_EQ(decode_splits(kvcache_call(1, 256), 132), 1);
   EXPECT_EQ(decode_splits(kvcache_call(1, 1024), 132), 4);
-  // Several rows chunks count as CTAs: 8 query tokens x 4 heads = 32 rows, two chunks.
-  EXPECT_EQ(decode_splits(kvcache_call(1, 131072, 8), 132), 17);
+  // Several rows chunks count as CTAs: 8 query tokens x 4 heads = 32 rows, two chunks; 16 x 16 CTAs fill one
+  // round of 264, 17 would spill into a second.
+  EXPECT_EQ(decode_splits(kvcache_call(1, 131072, 8), 132), 16);
+  // Wave quantisation: 8 sequences x 8 kv heads = 64 CTAs take 4 splits (256 CTAs), not 5 (320: two rounds);
+  // 100 CTAs (as 25 sequences of 4 kv heads) take 5 (two rounds of 1/5) over 2 (one round of 1/2).
+  EXPECT_EQ(decode_splits(kvcache_call(8, 32768), 132), 4);
+  Problem four_kv = kvcache_call(25, 32768);
+  four_kv.nheads_k = 4;
+  four_kv.nheads = 16;
+  EXPECT_EQ(decode_splits(four_kv, 132), 5);
   for (int sms : {1, 46, 108, 132, 148}) {
     int previous_by_len = 1;
     for (int64_t cache = 0; cache <= (int64_t{1} << 20); cache = cache == 0 ? 1 : cache * 4) {
-      int previous_by_batch = decode::kMaxSplits;
       for (int64_t batch : {1, 2, 3, 8, 64, 256}) {
         const Problem p = kvcache_call(batch, cache);
         const int s = decode_splits(p, sms);
         EXPECT_GE(s, 1);
         EXPECT_LE(s, decode::kMaxSplits);
-        EXPECT_LE(s, previous_by_batch) << "more sequences never take more splits";
-        previous_by_batch = s;
         if (s > 1) {
           EXPECT_GE(cache / s, kMinKeysPerSplit) << "no split below the minimum length";
         }
         if (batch * 8 >= 2 * sms) {
           EXPECT_EQ(s, 1);
+        }
+        // Never a count whose CTAs would fit one round while a larger one in that round is allowed and
+        // faster by more than the rule's 2% (one round: time 1/s plus the fixed cost).
+        const int64_t slots = 2 * int64_t{sms};
+        const int64_t limit = std::min<int64_t>({decode::kMaxSplits, std::max<int64_t>(1, cache / kMinKeysPerSplit),
+                                                 std::max<int64_t>(1, (cache + decode::kTileKeys - 1) / decode::kTileKeys)});
+        const int64_t one_round = std::min(limit, slots / (batch * 8));
+        if (batch * 8 < slots && one_round >= 2 * s) {
+          ADD_FAILURE() << "batch " << batch << " cache " << cache << " sms " << sms << ": " << s
+                        << " splits where " << one_round << " fit one round";
         }
       }
       const int s1 = decode_splits(kvcache_call(1, cache), sms);
