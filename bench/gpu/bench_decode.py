@@ -60,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup-ms", type=int, default=25)
     p.add_argument("--rep-ms", type=int, default=100)
     p.add_argument("--timer", choices=["events", "cudagraph"], default="events")
+    p.add_argument("--num-splits", type=int, default=0,
+                   help="flare's num_splits on every call (0: its heuristic; a fixed count is for tuning it)")
     args = p.parse_args(argv)
     if args.small:
         global BATCHES, KV_LENS, SPEC, PAGED, ROTATE_BYTES
@@ -116,7 +118,7 @@ class Caches:
 class FlareKvCache:
     """flare_fwd_kvcache through the C ABI, one params struct per cache (built once); call() runs the next."""
 
-    def __init__(self, q, caches, seqlen_k, causal):
+    def __init__(self, q, caches, seqlen_k, causal, num_splits=0):
         from flare import _capi
         lib = _capi.library()
         tv = _capi.tensor_view
@@ -132,6 +134,7 @@ class FlareKvCache:
             if table is not None:
                 p.block_table = tv(table)
             p.attn.causal = int(causal)
+            p.num_splits = num_splits
             p.exec.stream = stream
             if q.is_cuda:
                 nbytes = lib.kvcache_workspace_size(p)
@@ -235,7 +238,7 @@ def run_shape(shape, g, args, time_ms, copy_tbps, log):
             "page_size": page, "kv_bytes": nbytes, "rotated_caches": count}
     impls = {}
     try:
-        impls["flare"] = (FlareKvCache(q, caches, seqlen_k, causal), None)
+        impls["flare"] = (FlareKvCache(q, caches, seqlen_k, causal, args.num_splits), None)
     except Exception as e:  # a failing flare is a result of the run
         impls["flare"] = (None, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:400]}")
     if dev == "cuda" and page is None:
@@ -265,7 +268,7 @@ def run_shape(shape, g, args, time_ms, copy_tbps, log):
         if copy_tbps:
             row["vs_copy"] = round(tbps / copy_tbps, 3)
         if impl == "flare":
-            row.update(extra)
+            row.update(extra, num_splits=args.num_splits)
         if note:
             row["note"] = note
         rows.append(row)
