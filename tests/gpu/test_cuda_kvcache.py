@@ -162,11 +162,14 @@ def _write_sequence(k_cache, v_cache, case, s, row_of, block_table, kk, vv):
         k_cache[int(row_of[s])] = kk
         v_cache[int(row_of[s])] = vv
         return
-    for j in range(0, case.capacity, case.page):
-        blk = int(block_table[s, j // case.page])
-        n = min(case.page, case.capacity - j)
-        k_cache[blk, :n] = kk[j: j + n]
-        v_cache[blk, :n] = vv[j: j + n]
+    # Whole blocks at once: the sequence's rows padded to its blocks (the padding lands past the capacity, in
+    # rows no call may read).
+    blocks = block_table[s].long().to(k_cache.device)
+    rows = blocks.numel() * case.page
+    for cache, src in ((k_cache, kk), (v_cache, vv)):
+        padded = torch.full((rows, *src.shape[1:]), float("nan"), dtype=src.dtype, device=src.device)
+        padded[: case.capacity] = src
+        cache[blocks] = padded.view(blocks.numel(), case.page, *src.shape[1:])
 
 
 def _read_sequence(k_cache, case, s, inputs):
