@@ -651,6 +651,55 @@ TEST(CudaDecode, SplitsCoverTheKeysOnceInWholeTiles) {
   }
 }
 
+// What the CTAs of one (sequence, kv head) walk, as the decode kernel composes plan.hpp: per row chunk the keys
+// its rows see (queries_of_rows, keys_seen), cut into splits (split_keys), each split's 16-key tiles dealt to
+// the warps (tiles_of_warp, first_key_of_tile). Every key a packed row sees must be walked exactly once by
+// the CTAs of its chunk, and no walked key may lie outside the sequence.
+TEST(CudaDecode, ChunksSplitsAndWarpsWalkEveryVisibleKeyOnce) {
+  for (int seqlen_q : {1, 2, 7, 64}) {
+    for (int group : {1, 4, 8}) {
+      for (int len_k : {0, 1, 15, 16, 17, 100, 1000}) {
+        for (auto [wl, wr] : {std::pair{-1, -1}, std::pair{-1, 0}, std::pair{20, 0}, std::pair{5, 3}}) {
+          for (int splits : {1, 2, 3, 7}) {
+            for (int warps : {2, 4}) {
+              const policy::WindowMask mask{seqlen_q, len_k, wl, wr};
+              const int rows = group * seqlen_q;
+              for (int r0 = 0; r0 < rows; r0 += decode::kRows) {
+                const int r1 = std::min(rows, r0 + decode::kRows);
+                const decode::KeySpan keys = decode::keys_seen(mask, decode::queries_of_rows(r0, r1, seqlen_q));
+                std::vector<int> walked(std::max(len_k, 1), 0);
+                for (int s = 0; s < splits; ++s) {
+                  const decode::KeySpan mine = decode::split_keys(keys, splits, s, decode::kTileKeys);
+                  for (int w = 0; w < warps; ++w) {
+                    for (int k = 0; k < decode::tiles_of_warp(mine, w, warps); ++k) {
+                      const int n0 = decode::first_key_of_tile(mine, w, warps, k);
+                      ASSERT_GE(n0, mine.begin);
+                      ASSERT_LT(n0, mine.end) << "a tile starts inside its split";
+                      for (int j = n0; j < std::min(n0 + decode::kTileKeys, mine.end); ++j) {
+                        ASSERT_GE(j, 0);
+                        ASSERT_LT(j, len_k);
+                        ++walked[j];
+                      }
+                    }
+                  }
+                }
+                for (int r = r0; r < r1; ++r) {
+                  const policy::KeyRange seen = mask.keys_of(r % seqlen_q);
+                  for (int64_t j = std::max<int64_t>(seen.first, 0); j <= seen.last; ++j) {
+                    ASSERT_EQ(walked[j], 1) << "row " << r << " key " << j << " (seqlen_q " << seqlen_q << ", group "
+                                            << group << ", len_k " << len_k << ", window " << wl << "/" << wr
+                                            << ", splits " << splits << ", warps " << warps << ")";
+                  }
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // The decode kernel's page-table walk (attention.cuh load_tile): per tile, one table read when the tile's slots
 // lie in one block, else slot_of per key. Both give, for every key, the block and row a naive walk gives.
 TEST(CudaDecode, PageTableWalkMatchesBruteForce) {

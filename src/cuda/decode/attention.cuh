@@ -80,8 +80,7 @@ __global__ void __launch_bounds__(threads_for(kHeadDim), 1) attention_kernel(con
   const policy::WindowMask mask{p.seqlen_q, len_k, p.window_left, p.window_right};
   const KeySpan mine =
       split_keys(keys_seen(mask, queries_of_rows(r0, r0 + rows_here, p.seqlen_q)), p.num_splits, split, kTileKeys);
-  const int n_tiles = (mine.size() + kTileKeys - 1) / kTileKeys;
-  const int my_tiles = n_tiles > warp ? (n_tiles - warp + kWarps - 1) / kWarps : 0;  // tiles warp, warp + kWarps..
+  const int my_tiles = tiles_of_warp(mine, warp, kWarps);  // tiles warp, warp + kWarps, ...
 
   // Where the keys live: K and V at the kv head (the cache row of a dense cache, block 0 of a paged one).
   const Storage* k_base = static_cast<const Storage*>(p.k.data) + hk * p.k.head_stride;
@@ -116,7 +115,7 @@ __global__ void __launch_bounds__(threads_for(kHeadDim), 1) attention_kernel(con
   const bool k_col = vcol * 8 < p.headdim;
   const bool v_col = vcol * 8 < p.headdim_v;
   const auto load_tile = [&](int k) {
-    const int n0 = mine.begin + (warp + k * kWarps) * kTileKeys;
+    const int n0 = first_key_of_tile(mine, warp, kWarps, k);
     const int64_t slot0 = int64_t{leftpad} + n0;
     const bool one_block = table != nullptr && slots_in_one_block(slot0, kTileKeys, p.block_size);
     const int64_t block0 = one_block ? table[slot0 / p.block_size] : 0;
@@ -217,7 +216,7 @@ __global__ void __launch_bounds__(threads_for(kHeadDim), 1) attention_kernel(con
     __syncwarp();  // tile k has landed for every lane; every lane is done with tile k - 1's stage
     if (k + kStages - 1 < my_tiles) load_tile(k + kStages - 1);
     cp_async_fence();
-    const int n0 = mine.begin + (warp + k * kWarps) * kTileKeys;
+    const int n0 = first_key_of_tile(mine, warp, kWarps, k);
 
     Tensor acc_s = partition_fragment_C(mma, Shape<Int<kRows>, Int<kTileKeys>>{});
     clear(acc_s);

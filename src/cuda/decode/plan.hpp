@@ -84,6 +84,16 @@ FLARE_HD KeySpan split_keys(KeySpan all, int splits, int split, int tile) {
   return {begin, end};
 }
 
+// The tiles of a split's keys that warp `warp` of `warps` walks: tiles warp, warp + warps, ... of the
+// kTileKeys-key tiles from keys.begin. tiles_of_warp counts them; the k-th starts at key first_key_of_tile.
+FLARE_HD int tiles_of_warp(KeySpan keys, int warp, int warps) {
+  const int tiles = (keys.size() + kTileKeys - 1) / kTileKeys;
+  return tiles > warp ? (tiles - warp + warps - 1) / warps : 0;
+}
+FLARE_HD int first_key_of_tile(KeySpan keys, int warp, int warps, int k) {
+  return keys.begin + (warp + k * warps) * kTileKeys;
+}
+
 // ---- the cache -----------------------------------------------------------------------------------------------
 // Where cache slot `slot` of a sequence lives: a dense cache row (block = -1, row = slot), or block
 // table_row[slot / block_size], row slot % block_size.
