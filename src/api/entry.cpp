@@ -85,7 +85,7 @@ flare_status report_workspace(const Problem& problem, size_t* bytes) {
   if (problem.device.type == FLARE_DEVICE_CUDA) {
     if (const char* gap = cuda_gap(problem)) return fail(FLARE_UNSUPPORTED, gap);
 #if FLARE_WITH_CUDA
-    if (problem.pass == Pass::kKvCache) return cuda::kvcache(problem);
+    if (problem.pass == Pass::kKvCache) return cuda::kvcache_workspace_size(problem, bytes);
     return cuda::workspace_size(problem, bytes);
 #else
     return fail(FLARE_UNSUPPORTED, kNoCuda);

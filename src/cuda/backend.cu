@@ -1,7 +1,7 @@
 // backend.cu — the host side of the CUDA backend: CUDA-specific checks, the device's properties, the plan of a
 // call (arch path, head-dim tile, shared-memory class: the rules are src/cuda/heuristics.hpp's), Problem ->
-// kernel params, the backward workspace (caller's, or stream-ordered cudaMallocAsync), and dispatch to the
-// generated units of each arch path (src/cuda/instantiations/dispatch.hpp). Kernels run on the caller's stream;
+// kernel params, the backward and KV-cache workspaces (caller's, or stream-ordered cudaMallocAsync), and
+// dispatch to the generated units of each arch path (src/cuda/instantiations/dispatch.hpp). Kernels run on the caller's stream;
 // nothing here synchronises the device.
 #include <cuda_runtime.h>
 
@@ -14,6 +14,8 @@
 #include "common/error.hpp"
 #include "common/philox.hpp"
 #include "cuda/cuda_backend.hpp"
+#include "cuda/decode/entry.hpp"
+#include "cuda/decode/plan.hpp"
 #include "cuda/heuristics.hpp"
 #include "cuda/instantiations/dispatch.hpp"  // with CMake's flare_cuda_config.hpp: the units of this build
 #include "cuda/sm80/entry.hpp"
@@ -193,6 +195,10 @@ flare_status plan_call(const Problem& p, Plan* plan) {
   return FLARE_OK;
 }
 
+// A window bound as the kernels take it: -1 unbounded; bounds beyond the int range are unbounded in effect
+// (lengths are int32).
+int clamp_window(int64_t w) { return w < 0 ? -1 : static_cast<int>(std::min<int64_t>(w, 0x7fffffff)); }
+
 void fill_attn(const Problem& p, AttnParams* a) {
   a->q = p.q;
   a->k = p.k;
@@ -216,8 +222,6 @@ void fill_attn(const Problem& p, AttnParams* a) {
   a->scale = static_cast<float>(p.score.scale);
   a->scale_log2 = static_cast<float>(p.score.scale * 1.4426950408889634);
   a->softcap = p.score.softcap;
-  // Windows beyond the int range are unbounded in effect (lengths are int32).
-  auto clamp_window = [](int64_t w) { return w < 0 ? -1 : static_cast<int>(std::min<int64_t>(w, 0x7fffffff)); };
   a->window_left = clamp_window(p.score.window_left);
   a->window_right = clamp_window(p.score.window_right);
   a->alibi_slopes = p.score.alibi_slopes;
@@ -341,9 +345,178 @@ flare_status backward(const Problem& p) {
   return FLARE_OK;
 }
 
-flare_status kvcache(const Problem&) {
-  return fail(FLARE_UNSUPPORTED, "flare_fwd_kvcache has no CUDA kernels in this version: run the KV-cache pass "
-                                 "on CPU tensors, or use flare_fwd / flare_fwd_varlen on the GPU");
+// ---- the KV-cache pass: append, rotary q, split-KV attention, combine (src/cuda/decode) ----------------------
+
+namespace {
+
+constexpr HeadDimSubset kDecodeTiles(kDecodeHeadDims, decode_unit_built);
+
+// What the KV-cache kernels need beyond validation, and the call's decode tile. The index tensors
+// (cache_seqlens, block_table, ...) live on the device and are not read here (no host sync): in-range
+// indices are the caller's to guarantee, as in FlashAttention.
+flare_status plan_kvcache(const Problem& p, int* tile, DeviceProps* dev) {
+  if (flare_status s = check_operands(p); s != FLARE_OK) return s;
+  for (const auto& [op, name] : {std::pair{&p.k_new, "k_new"}, std::pair{&p.v_new, "v_new"}}) {
+    if (op->data == nullptr) continue;
+    if (reinterpret_cast<uintptr_t>(op->data) % 16 != 0 || op->batch_stride % 8 != 0 || op->row_stride % 8 != 0 ||
+        op->head_stride % 8 != 0) {
+      return fail(FLARE_UNSUPPORTED, cat(name, " must be 16-byte aligned with strides of multiples of 8 elements "
+                                         "on CUDA: make the tensor contiguous"));
+    }
+  }
+  if (!kHasForward) {
+    return fail(FLARE_UNSUPPORTED, "this build has no CUDA forward kernels (it was configured with "
+                                   "FLARE_CUDA_PASSES without fwd), so none for flare_fwd_kvcache");
+  }
+  if (p.seqlen_new > 0 && p.cache_seqlens == nullptr) {
+    return fail(FLARE_INVALID_ARGUMENT, cat("k_new has ", p.seqlen_new, " keys but cache_seqlens is absent, so every "
+                                            "sequence counts as full (", p.seqlen_cache, " keys): give "
+                                            "cache_seqlens to say where the new keys go"));
+  }
+  if (p.nheads_k * decode_row_chunks(p) * decode::kMaxSplits > 0x7fffffff) {
+    return fail(FLARE_UNSUPPORTED, cat("nheads_k ", p.nheads_k, " x seqlen_q ", p.seqlen_q, " is too large for the "
+                                       "CUDA KV-cache kernels' grid: split the call"));
+  }
+  if (flare_status s = query_device(p.device.index, dev); s != FLARE_OK) return s;
+  *tile = decode_tile(p, kDecodeTiles.span());
+  if (*tile == 0) {
+    return fail(FLARE_UNSUPPORTED, cat("head dim ", std::max(p.headdim, p.headdim_v), " has no CUDA KV-cache kernel "
+                                       "in this build (decode tiles built: ", head_dims_string(kDecodeTiles.span()),
+                                       "; configure with FLARE_HEADDIMS to add tiles)"));
+  }
+  if (const int need = decode::smem_bytes(*tile, 2); need > dev->smem_per_block) {
+    return fail(FLARE_UNSUPPORTED, cat("the CUDA KV-cache kernel of head-dim tile ", *tile, " takes ", need, " bytes of "
+                                       "shared memory per block but this GPU allows ", dev->smem_per_block,
+                                       " (FLARE_CUDA_SMEM_LIMIT may cut it)"));
+  }
+  return FLARE_OK;
+}
+
+KvCacheParams kvcache_params(const Problem& p, const DecodeLayout& l, char* workspace) {
+  KvCacheParams k;
+  k.q = p.q;
+  k.q_source = p.q;
+  k.k = p.k;
+  k.v = p.v;
+  k.k_new = p.k_new;
+  k.v_new = p.v_new;
+  k.out = p.out;
+  k.lse = p.lse;
+  k.lse_batch_stride = p.lse_batch_stride;
+  k.lse_head_stride = p.lse_head_stride;
+  k.batch = static_cast<int>(p.batch);
+  k.nheads = static_cast<int>(p.nheads);
+  k.nheads_k = static_cast<int>(p.nheads_k);
+  k.group = static_cast<int>(p.nheads / p.nheads_k);
+  k.headdim = static_cast<int>(p.headdim);
+  k.headdim_v = static_cast<int>(p.headdim_v);
+  k.seqlen_q = static_cast<int>(p.seqlen_q);
+  k.rows = static_cast<int>(decode_rows(p));
+  k.row_chunks = static_cast<int>(l.row_chunks);
+  k.seqlen_cache = static_cast<int>(p.seqlen_cache);
+  k.seqlen_new = static_cast<int>(p.seqlen_new);
+  k.cache_seqlens = p.cache_seqlens;
+  k.cache_batch_idx = p.cache_batch_idx;
+  k.cache_leftpad = p.cache_leftpad;
+  k.block_table = p.block_table;
+  k.block_table_stride = p.block_table_stride;
+  k.block_size = static_cast<int>(p.block_size);
+  k.rotary_cos = p.rotary_cos;
+  k.rotary_sin = p.rotary_sin;
+  k.rotary_row_stride = p.rotary_row_stride;
+  k.rotary_dim = static_cast<int>(p.rotary_dim);
+  k.rotary_interleaved = p.rotary_interleaved;
+  k.rotary_per_query = p.score.window_left >= 0 || p.score.window_right >= 0;
+  k.scale = static_cast<float>(p.score.scale);
+  k.softcap = p.score.softcap;
+  k.window_left = clamp_window(p.score.window_left);
+  k.window_right = clamp_window(p.score.window_right);
+  k.alibi_slopes = p.score.alibi_slopes;
+  k.alibi_batch_stride = p.score.alibi_batch_stride;
+  k.sinks = p.sinks;
+  k.num_splits = l.splits;
+  if (l.q_rot > 0) {
+    // The rotated q, contiguous (batch, seqlen_q, nheads, headdim).
+    k.q = {workspace, p.seqlen_q * p.nheads * p.headdim, p.nheads * p.headdim, p.headdim};
+  }
+  if (l.splits > 1) {
+    k.part_o = reinterpret_cast<float*>(workspace + l.q_rot);
+    k.part_lse = reinterpret_cast<float*>(workspace + l.q_rot + l.part_o);
+  }
+  return k;
+}
+
+}  // namespace
+
+flare_status kvcache_workspace_size(const Problem& p, size_t* bytes) {
+  *bytes = 0;
+  int tile = 0;
+  DeviceProps dev;
+  if (flare_status s = plan_kvcache(p, &tile, &dev); s != FLARE_OK) return s;
+  *bytes = decode_layout(p, dev.sm_count).total();
+  return FLARE_OK;
+}
+
+// Append (k_new, v_new into the cache), rotate q into the workspace, attend (split-KV), combine: four launches
+// on the caller's stream, in that order, each reading what the one before wrote. No host sync; the workspace is
+// the caller's or a stream-ordered allocation freed on the same stream, so the call can be captured in a graph
+// (with the caller's workspace, or a graph that allows memory nodes).
+flare_status kvcache(const Problem& p) {
+  int tile = 0;
+  DeviceProps dev;
+  if (flare_status s = plan_kvcache(p, &tile, &dev); s != FLARE_OK) return s;
+  DeviceGuard guard(p.device.index);
+  if (guard.status() != cudaSuccess) return cuda_fail(guard.status(), "cudaSetDevice");
+  auto stream = static_cast<cudaStream_t>(p.stream);
+  const DecodeLayout l = decode_layout(p, dev.sm_count);
+  if (p.workspace != nullptr && reinterpret_cast<uintptr_t>(p.workspace) % 256 != 0) {
+    return fail(FLARE_INVALID_ARGUMENT, "exec.workspace is not 256-byte aligned: the CUDA KV-cache pass lays its "
+                                        "buffers out from it (cudaMalloc and torch allocations are)");
+  }
+  if (p.workspace != nullptr && p.workspace_size < l.total()) {
+    return fail(FLARE_OUT_OF_MEMORY, cat("exec.workspace_size is ", p.workspace_size, " bytes but this call needs ",
+                                         l.total(), " bytes (see flare_kvcache_workspace_size)"));
+  }
+  if (p.batch == 0 || p.nheads_k == 0) return FLARE_OK;
+  const bool attend = p.seqlen_q > 0;
+  void* ws = p.workspace;
+  bool owned = false;
+  if (ws == nullptr && attend && l.total() > 0) {
+    if (cudaError_t e = cudaMallocAsync(&ws, l.total(), stream); e != cudaSuccess) {
+      cudaGetLastError();
+      return fail(FLARE_OUT_OF_MEMORY, cat("cudaMallocAsync of the KV-cache workspace (", l.total(),
+                                           " bytes) failed: ", cudaGetErrorString(e)));
+    }
+    owned = true;
+  }
+  const KvCacheParams k = kvcache_params(p, l, static_cast<char*>(ws));
+  cudaError_t e = cudaSuccess;
+  const char* step = "";
+  if (p.seqlen_new > 0) {
+    step = "the KV-cache append kernel";
+    e = decode::run_append(k, p.dtype, stream);
+  }
+  if (e == cudaSuccess && attend && l.q_rot > 0) {
+    step = "the rotary kernel of q";
+    e = decode::run_rotary_q(k, p.dtype, stream);
+  }
+  if (e == cudaSuccess && attend) {
+    step = "the decode attention kernel";
+    e = decode_dispatch(p.dtype, tile, cudaErrorInvalidValue, [&]<flare_dtype D, int d>() {
+      if constexpr (kHasForward) return decode::run_attention<D, d>(k, stream);  // units of the fwd pass
+      return cudaErrorInvalidValue;  // unreachable: plan_kvcache refuses a build without the forward
+    });
+  }
+  if (e == cudaSuccess && attend && l.splits > 1) {
+    step = "the split-KV combine kernel";
+    e = decode::run_combine(k, p.dtype, stream);
+  }
+  if (owned) {
+    const cudaError_t f = cudaFreeAsync(ws, stream);
+    if (e == cudaSuccess) e = f;
+  }
+  if (e != cudaSuccess) return cuda_fail(e, cat("launching ", step));
+  return FLARE_OK;
 }
 
 }  // namespace flare::cuda

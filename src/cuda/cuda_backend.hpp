@@ -12,8 +12,10 @@ namespace flare::cuda {
 
 flare_status forward(const detail::Problem& p);
 flare_status backward(const detail::Problem& p);
-// The KV-cache pass has no CUDA kernels yet: FLARE_UNSUPPORTED with a message.
+// The KV-cache pass: append k_new / v_new, rotary, split-KV decode attention and combine (src/cuda/decode).
 flare_status kvcache(const detail::Problem& p);
+// Bytes of device workspace the KV-cache pass needs (rotated q, split partials; heuristics.hpp decode_layout).
+flare_status kvcache_workspace_size(const detail::Problem& p, size_t* bytes);
 
 // Bytes of device workspace the pass needs (the backward's fp32 accumulators; 0 for the forward).
 flare_status workspace_size(const detail::Problem& p, size_t* bytes);

@@ -7,6 +7,7 @@
 #include <string_view>
 
 #include "common/error.hpp"
+#include "cuda/decode/plan.hpp"
 
 namespace flare::cuda {
 namespace {
@@ -150,6 +151,61 @@ BwdLayout sm80_bwd_layout(const Problem& p, int tile, int block_n, int sm_count)
   l.dsum = align256(sizeof(float) * p.nheads * l.q_rows);
   l.dq = align256(sizeof(float) * l.splits * p.nheads * l.q_rows * tile);
   l.dkv = p.nheads != p.nheads_k ? 2 * align256(sizeof(float) * p.nheads * l.k_rows * tile) : 0;
+  return l;
+}
+
+int decode_tile(const Problem& p, std::span<const int> tiles) {
+  const int64_t need = std::max(p.headdim, p.headdim_v);
+  for (int d : tiles) {
+    if (d >= need) return d;
+  }
+  return 0;
+}
+
+int64_t decode_rows(const Problem& p) { return p.nheads / std::max<int64_t>(1, p.nheads_k) * p.seqlen_q; }
+
+int64_t decode_row_chunks(const Problem& p) {
+  return std::max<int64_t>(1, (decode_rows(p) + decode::kRows - 1) / decode::kRows);
+}
+
+int decode_splits(const Problem& p, int sm_count) {
+  const int64_t keys = p.seqlen_cache + p.seqlen_new;
+  const int64_t tiles = std::max<int64_t>(1, (keys + decode::kTileKeys - 1) / decode::kTileKeys);
+  const int64_t most = std::min<int64_t>(tiles, decode::kMaxSplits);
+  if (p.num_splits > 0) return static_cast<int>(std::clamp<int64_t>(p.num_splits, 1, most));
+  const int64_t ctas = p.batch * p.nheads_k * decode_row_chunks(p);
+  const int64_t target = 2 * int64_t{std::max(sm_count, 1)};
+  if (ctas == 0 || ctas >= target) return 1;
+  // A split count s runs the CTAs in rounds(s) = ceil(ctas * s / target) rounds, each reading 1/s of the keys
+  // and paying a CTA's fixed cost (start, pipeline fill, epilogue): time(s) ~ rounds(s) * (1/s + fixed), with
+  // fixed = kCtaFixedCostBytes / (the K and V bytes of one sequence's kv head). The smallest count within 2% of
+  // the fastest wins. E.g. 64 CTAs on 132 SMs at 32K keys: 4 splits (256 CTAs, one round), not 5 (320: two).
+  const int64_t limit = std::min(most, std::max<int64_t>(1, keys / kMinKeysPerSplit));
+  const double kv_bytes = static_cast<double>(std::max<int64_t>(keys, 1)) * static_cast<double>(p.headdim + p.headdim_v) * 2.0;
+  const double fixed = kCtaFixedCostBytes / kv_bytes;
+  const auto time = [&](int64_t s) {
+    const double rounds = static_cast<double>((ctas * s + target - 1) / target);
+    return rounds * (1.0 / static_cast<double>(s) + fixed);
+  };
+  double fastest = time(1);
+  for (int64_t s = 2; s <= limit; ++s) fastest = std::min(fastest, time(s));
+  int64_t best = 1;
+  while (best < limit && time(best) > 1.02 * fastest) ++best;
+  return static_cast<int>(best);
+}
+
+DecodeLayout decode_layout(const Problem& p, int sm_count) {
+  DecodeLayout l;
+  l.splits = decode_splits(p, sm_count);
+  l.row_chunks = decode_row_chunks(p);
+  if (p.rotary_dim > 0) {
+    l.q_rot = align256(static_cast<size_t>(p.batch * p.seqlen_q * p.nheads * p.headdim) * 2);  // fp16 / bf16
+  }
+  if (l.splits > 1) {
+    const size_t parts = static_cast<size_t>(p.batch * p.nheads_k * decode_rows(p) * l.splits);
+    l.part_o = align256(parts * static_cast<size_t>(p.headdim_v) * sizeof(float));
+    l.part_lse = align256(parts * sizeof(float));
+  }
   return l;
 }
 

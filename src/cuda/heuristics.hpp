@@ -5,7 +5,8 @@
 // Each is a pure function of a plain problem description (detail::Problem, or the kernel params built from it),
 // the device's properties and the kernels this build holds, returning a plain value or struct. None calls the
 // CUDA runtime or reads the environment: src/cuda/backend.cu queries the device, reads the variables and passes
-// the values in. No CUDA or CuTe header is included, so tests/cpp/test_cuda_heuristics.cpp checks every rule on
+// the values in. The KV-cache pass's choices (decode tile, split count, workspace) are here too. No CUDA or CuTe
+// header is included, so tests/cpp/test_cuda_heuristics.cpp checks every rule on
 // the CPU; the launch code of the sm80 kernels calls the thresholds (src/cuda/sm80/configs.cuh).
 #pragma once
 
@@ -160,5 +161,39 @@ int sm80_dq_splits(const detail::Problem& p, int block_n, int sm_count);
 
 // The workspace of an sm80 backward on head-dim tile `tile` (each part 256-byte aligned).
 BwdLayout sm80_bwd_layout(const detail::Problem& p, int tile, int block_n, int sm_count);
+
+// ---- the KV-cache pass (src/cuda/decode) ---------------------------------------------------------------------
+
+// The decode attention's head-dim tile for a call: the smallest built decode tile >= max(headdim, headdim_v),
+// 0 when there is none.
+int decode_tile(const detail::Problem& p, std::span<const int> tiles);
+
+// The packed query rows of one (sequence, kv head) (GQA heads x seqlen_q) and the CTAs along them.
+int64_t decode_rows(const detail::Problem& p);
+int64_t decode_row_chunks(const detail::Problem& p);
+
+// The split count of a KV-cache call (p.num_splits; 0 = this rule). The host knows no sequence's length (the
+// lengths live on the device and are never read back), so the rule takes the cache's capacity plus the keys
+// appended, an upper bound. Explicit counts are honoured up to one split per 16-key tile of that bound and
+// decode::kMaxSplits. The heuristic: one split while the (sequence, kv head, row chunk) CTAs already give every
+// SM two (two CTAs of the kernel share an SM at head dim 128); else the count that finishes soonest when the
+// CTAs run in rounds of two per SM, each round paying a CTA's fixed cost (wave quantisation: a count that
+// spills into a second round mostly loses to a smaller one), none shorter than kMinKeysPerSplit keys and at
+// most decode::kMaxSplits. kCtaFixedCostBytes: a CTA's fixed cost as the bytes it could have read meanwhile
+// (about 5 us at an H200's bandwidth shared by 264 CTAs); an estimate, to be fitted on the GPU.
+inline constexpr int64_t kMinKeysPerSplit = 256;
+inline constexpr double kCtaFixedCostBytes = 90.0 * 1024;
+int decode_splits(const detail::Problem& p, int sm_count);
+
+// The KV-cache pass's workspace (each part 256-byte aligned): the rotated q (rotary calls) in q's dtype,
+// (batch, seqlen_q, nheads, headdim), and with splits > 1 the splits' fp32 outputs and lse (KvCacheParams
+// in src/cuda/decode/params.hpp has their layout).
+struct DecodeLayout {
+  int splits = 1;
+  int64_t row_chunks = 1;
+  size_t q_rot = 0, part_o = 0, part_lse = 0;  // bytes of each part
+  size_t total() const { return q_rot + part_o + part_lse; }
+};
+DecodeLayout decode_layout(const detail::Problem& p, int sm_count);
 
 }  // namespace flare::cuda

@@ -1,7 +1,9 @@
 // test_cuda_heuristics.cpp — the CUDA backend's host-side choices (src/cuda/heuristics.hpp), on the CPU: no GPU
 // and no nvcc needed. Every combination of device, build, pass and feature maps to a path whose kernels exist,
 // fallbacks to the sm80 path say why, forced paths run or refuse with a reason, and the sm80 kernels' classes,
-// thresholds, split counts and workspace follow their rules.
+// thresholds, split counts and workspace follow their rules. The KV-cache pass's split count, workspace and the
+// decode kernels' arithmetic (src/cuda/decode/plan.hpp: packed rows, visible keys, split ranges, page-table
+// walk) are checked against brute force.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -10,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/decode/plan.hpp"
 #include "cuda/heuristics.hpp"
 
 namespace flare::cuda {
@@ -420,6 +423,324 @@ TEST(CudaHeuristics, Sm80BackwardWorkspace) {
   EXPECT_EQ(var.k_rows, 512);  // round128(77 + 3 * 128)
   EXPECT_EQ(var.dsum % 256, 0u);
   EXPECT_EQ(var.dsum, 2560u);
+}
+
+// ---- the KV-cache pass (src/cuda/decode) ------------------------------------------------------------------
+
+// A bf16 decode step: batch sequences, 32 query heads over 8 kv heads, hd128, one token, a cache of `cache` keys.
+Problem kvcache_call(int64_t batch, int64_t cache, int64_t seqlen_q = 1) {
+  Problem p;
+  p.pass = Pass::kKvCache;
+  p.dtype = FLARE_DTYPE_BF16;
+  p.batch = batch;
+  p.nheads = 32;
+  p.nheads_k = 8;
+  p.headdim = p.headdim_v = 128;
+  p.seqlen_q = seqlen_q;
+  p.seqlen_cache = p.seqlen_k = cache;
+  p.device = {FLARE_DEVICE_CUDA, 0};
+  return p;
+}
+
+TEST(CudaDecode, TileIsTheSmallestBuiltThatHoldsBothHeadDims) {
+  Problem p = kvcache_call(1, 1024);
+  EXPECT_EQ(decode_tile(p, kDecodeHeadDims), 128);
+  p.headdim = 40;
+  p.headdim_v = 64;
+  EXPECT_EQ(decode_tile(p, kDecodeHeadDims), 64);
+  p.headdim_v = 72;
+  EXPECT_EQ(decode_tile(p, kDecodeHeadDims), 128);
+  p.headdim = 256;
+  EXPECT_EQ(decode_tile(p, kDecodeHeadDims), 256);
+  p.headdim = 264;
+  EXPECT_EQ(decode_tile(p, kDecodeHeadDims), 0) << "no tile above 256";
+  constexpr int only128[] = {128};
+  p.headdim = p.headdim_v = 192;
+  EXPECT_EQ(decode_tile(p, only128), 0) << "a build without the 256 tile";
+  for (int64_t d = 8; d <= 256; d += 8) {
+    p.headdim = p.headdim_v = d;
+    const int t = decode_tile(p, kDecodeHeadDims);
+    EXPECT_GE(t, d);
+    EXPECT_EQ(t % 64, 0) << "decode tiles are multiples of 64 (their shared-memory rows)";
+  }
+}
+
+TEST(CudaDecode, RowsPackTheGroupOfEachKvHead) {
+  Problem p = kvcache_call(1, 1024, 7);
+  EXPECT_EQ(decode_rows(p), 4 * 7);
+  EXPECT_EQ(decode_row_chunks(p), 2);  // 28 rows in 16-row CTAs
+  p.nheads_k = 1;                      // MQA
+  EXPECT_EQ(decode_rows(p), 32 * 7);
+  EXPECT_EQ(decode_row_chunks(p), 14);
+  p.seqlen_q = 0;
+  EXPECT_EQ(decode_row_chunks(p), 1);
+}
+
+TEST(CudaDecode, ExplicitSplitsAreHonouredWithinTheKeys) {
+  for (int n : {1, 2, 3, 7}) {
+    Problem p = kvcache_call(4, 8192);
+    p.num_splits = n;
+    EXPECT_EQ(decode_splits(p, 132), n);
+  }
+  Problem p = kvcache_call(1, 64);  // four 16-key tiles
+  p.num_splits = 7;
+  EXPECT_EQ(decode_splits(p, 132), 4) << "no more splits than key tiles";
+  p.seqlen_new = 1;
+  EXPECT_EQ(decode_splits(p, 132), 5) << "the appended keys count";
+  p = kvcache_call(1, 1 << 20);
+  p.num_splits = 100000;
+  EXPECT_EQ(decode_splits(p, 132), decode::kMaxSplits);
+  p = kvcache_call(1, 0);
+  p.num_splits = 3;
+  EXPECT_EQ(decode_splits(p, 132), 1) << "an empty cache has one (empty) tile";
+}
+
+TEST(CudaDecode, HeuristicFillsTheGpuWithLongEnoughSplits) {
+  // Enough (sequence, kv head) CTAs: one split.
+  EXPECT_EQ(decode_splits(kvcache_call(128, 2048), 132), 1);
+  EXPECT_EQ(decode_splits(kvcache_call(33, 131072), 132), 1) << "264 CTAs fill 132 SMs twice";
+  // One sequence of 8 kv heads: 264 / 8 = 33 splits, each 128K / 33 keys long.
+  EXPECT_EQ(decode_splits(kvcache_call(1, 131072), 132), 33);
+  EXPECT_EQ(decode_splits(kvcache_call(1, 32768), 108), 27);
+  // Short caches: no split below kMinKeysPerSplit keys.
+  EXPECT_EQ(decode_splits(kvcache_call(1, 256), 132), 1);
+  EXPECT_EQ(decode_splits(kvcache_call(1, 1024), 132), 4);
+  // Several rows chunks count as CTAs: 8 query tokens x 4 heads = 32 rows, two chunks; 16 x 16 CTAs fill one
+  // round of 264, 17 would spill into a second.
+  EXPECT_EQ(decode_splits(kvcache_call(1, 131072, 8), 132), 16);
+  // Wave quantisation: 8 sequences x 8 kv heads = 64 CTAs take 4 splits (256 CTAs), not 5 (320: two rounds);
+  // 100 CTAs (as 25 sequences of 4 kv heads) take 5 (two rounds of 1/5) over 2 (one round of 1/2).
+  EXPECT_EQ(decode_splits(kvcache_call(8, 32768), 132), 4);
+  Problem four_kv = kvcache_call(25, 32768);
+  four_kv.nheads_k = 4;
+  four_kv.nheads = 16;
+  EXPECT_EQ(decode_splits(four_kv, 132), 5);
+  for (int sms : {1, 46, 108, 132, 148}) {
+    int previous_by_len = 1;
+    for (int64_t cache = 0; cache <= (int64_t{1} << 20); cache = cache == 0 ? 1 : cache * 4) {
+      for (int64_t batch : {1, 2, 3, 8, 64, 256}) {
+        const Problem p = kvcache_call(batch, cache);
+        const int s = decode_splits(p, sms);
+        EXPECT_GE(s, 1);
+        EXPECT_LE(s, decode::kMaxSplits);
+        if (s > 1) {
+          EXPECT_GE(cache / s, kMinKeysPerSplit) << "no split below the minimum length";
+        }
+        if (batch * 8 >= 2 * sms) {
+          EXPECT_EQ(s, 1);
+        }
+        // Never a count whose CTAs would fit one round while a larger one in that round is allowed and
+        // faster by more than the rule's 2% (one round: time 1/s plus the fixed cost).
+        const int64_t slots = 2 * int64_t{sms};
+        const int64_t limit = std::min<int64_t>({decode::kMaxSplits, std::max<int64_t>(1, cache / kMinKeysPerSplit),
+                                                 std::max<int64_t>(1, (cache + decode::kTileKeys - 1) / decode::kTileKeys)});
+        const int64_t one_round = std::min(limit, slots / (batch * 8));
+        if (batch * 8 < slots && one_round >= 2 * s) {
+          ADD_FAILURE() << "batch " << batch << " cache " << cache << " sms " << sms << ": " << s
+                        << " splits where " << one_round << " fit one round";
+        }
+      }
+      const int s1 = decode_splits(kvcache_call(1, cache), sms);
+      EXPECT_GE(s1, previous_by_len) << "a longer cache never takes fewer splits";
+      previous_by_len = s1;
+    }
+  }
+}
+
+TEST(CudaDecode, WorkspaceHoldsRotatedQAndSplitPartials) {
+  Problem p = kvcache_call(2, 4096, 3);
+  p.num_splits = 1;
+  EXPECT_EQ(decode_layout(p, 132).total(), 0u) << "no rotary, one split: nothing";
+  p.rotary_dim = 64;
+  DecodeLayout l = decode_layout(p, 132);
+  EXPECT_EQ(l.q_rot, 2u * 3 * 32 * 128 * 2) << "bf16 (batch, seqlen_q, nheads, headdim)";
+  EXPECT_EQ(l.part_o + l.part_lse, 0u);
+  p.num_splits = 5;
+  p.headdim_v = 64;
+  l = decode_layout(p, 132);
+  EXPECT_EQ(l.splits, 5);
+  const size_t parts = 2u * 8 * (4 * 3) * 5;
+  EXPECT_EQ(l.part_o, (parts * 64 * 4 + 255) / 256 * 256);
+  EXPECT_EQ(l.part_lse, (parts * 4 + 255) / 256 * 256);
+  EXPECT_EQ(l.q_rot % 256 + l.part_o % 256 + l.part_lse % 256, 0u) << "each part 256-byte aligned";
+  EXPECT_EQ(l.total(), l.q_rot + l.part_o + l.part_lse);
+}
+
+TEST(CudaDecode, PackedRowsHoldTheirQueries) {
+  for (int seqlen_q = 1; seqlen_q <= 9; ++seqlen_q) {
+    for (int group = 1; group <= 5; ++group) {
+      const int rows = group * seqlen_q;
+      for (int r0 = 0; r0 < rows; ++r0) {
+        for (int r1 = r0 + 1; r1 <= rows; ++r1) {
+          const decode::QueryRange q = decode::queries_of_rows(r0, r1, seqlen_q);
+          int lo = seqlen_q, hi = -1;
+          for (int r = r0; r < r1; ++r) {
+            lo = std::min(lo, r % seqlen_q);
+            hi = std::max(hi, r % seqlen_q);
+          }
+          // The range may be wider than the rows' queries (a wrap-around run counts all), never narrower.
+          EXPECT_LE(q.first, lo);
+          EXPECT_GE(q.last, hi);
+          EXPECT_GE(q.first, 0);
+          EXPECT_LT(q.last, seqlen_q);
+          if (r1 - r0 <= seqlen_q && r0 % seqlen_q <= (r1 - 1) % seqlen_q) {
+            EXPECT_EQ(q.first, lo);
+            EXPECT_EQ(q.last, hi);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaDecode, KeysSeenAreTheUnionOfTheRowsWindows) {
+  for (int64_t len_k : {0, 1, 5, 40, 77}) {
+    for (int64_t seqlen_q : {1, 2, 7}) {
+      for (int64_t wl : {-1, 0, 3, 30}) {
+        for (int64_t wr : {-1, 0, 2}) {
+          const policy::WindowMask mask{seqlen_q, len_k, wl, wr};
+          for (int first = 0; first < seqlen_q; ++first) {
+            for (int last = first; last < seqlen_q; ++last) {
+              const decode::KeySpan span = decode::keys_seen(mask, {first, last});
+              int lo = static_cast<int>(len_k), hi = -1;
+              for (int i = first; i <= last; ++i) {
+                for (int j = 0; j < len_k; ++j) {
+                  const int64_t d = mask.diagonal(i);
+                  const bool seen = (wl < 0 || j >= d - wl) && (wr < 0 || j <= d + wr);
+                  if (seen) {
+                    lo = std::min(lo, j);
+                    hi = std::max(hi, j);
+                  }
+                }
+              }
+              if (hi < 0) {
+                EXPECT_EQ(span.size(), 0) << len_k << " " << seqlen_q << " " << wl << " " << wr;
+              } else {
+                EXPECT_EQ(span.begin, lo);
+                EXPECT_EQ(span.end, hi + 1);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaDecode, SplitsCoverTheKeysOnceInWholeTiles) {
+  for (int begin : {0, 3, 100}) {
+    for (int n : {0, 1, 31, 32, 33, 64, 100, 1000, 4097}) {
+      for (int splits : {1, 2, 3, 7, 64, 128}) {
+        const decode::KeySpan all{begin, begin + n};
+        std::vector<int> seen(n, 0);
+        int next = begin;
+        for (int s = 0; s < splits; ++s) {
+          const decode::KeySpan part = decode::split_keys(all, splits, s, decode::kTileKeys);
+          if (part.size() == 0) continue;
+          EXPECT_EQ(part.begin, next) << "splits are in order, back to back";
+          EXPECT_EQ((part.begin - begin) % decode::kTileKeys, 0) << "splits start on a tile";
+          EXPECT_LE(part.end, begin + n);
+          for (int j = part.begin; j < part.end; ++j) ++seen[j - begin];
+          next = part.end;
+        }
+        EXPECT_EQ(next, begin + n);
+        EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](int c) { return c == 1; }))
+            << "every key in exactly one split (begin " << begin << ", n " << n << ", splits " << splits << ")";
+      }
+    }
+  }
+}
+
+// What the CTAs of one (sequence, kv head) walk, as the decode kernel composes plan.hpp: per row chunk the keys
+// its rows see (queries_of_rows, keys_seen), cut into splits (split_keys), each split's 16-key tiles dealt to
+// the warps (tiles_of_warp, first_key_of_tile). Every key a packed row sees must be walked exactly once by
+// the CTAs of its chunk, and no walked key may lie outside the sequence.
+TEST(CudaDecode, ChunksSplitsAndWarpsWalkEveryVisibleKeyOnce) {
+  for (int seqlen_q : {1, 2, 7, 64}) {
+    for (int group : {1, 4, 8}) {
+      for (int len_k : {0, 1, 15, 16, 17, 100, 1000}) {
+        for (auto [wl, wr] : {std::pair{-1, -1}, std::pair{-1, 0}, std::pair{20, 0}, std::pair{5, 3}}) {
+          for (int splits : {1, 2, 3, 7}) {
+            for (int warps : {2, 4}) {
+              const policy::WindowMask mask{seqlen_q, len_k, wl, wr};
+              const int rows = group * seqlen_q;
+              for (int r0 = 0; r0 < rows; r0 += decode::kRows) {
+                const int r1 = std::min(rows, r0 + decode::kRows);
+                const decode::KeySpan keys = decode::keys_seen(mask, decode::queries_of_rows(r0, r1, seqlen_q));
+                std::vector<int> walked(std::max(len_k, 1), 0);
+                for (int s = 0; s < splits; ++s) {
+                  const decode::KeySpan mine = decode::split_keys(keys, splits, s, decode::kTileKeys);
+                  for (int w = 0; w < warps; ++w) {
+                    for (int k = 0; k < decode::tiles_of_warp(mine, w, warps); ++k) {
+                      const int n0 = decode::first_key_of_tile(mine, w, warps, k);
+                      ASSERT_GE(n0, mine.begin);
+                      ASSERT_LT(n0, mine.end) << "a tile starts inside its split";
+                      for (int j = n0; j < std::min(n0 + decode::kTileKeys, mine.end); ++j) {
+                        ASSERT_GE(j, 0);
+                        ASSERT_LT(j, len_k);
+                        ++walked[j];
+                      }
+                    }
+                  }
+                }
+                for (int r = r0; r < r1; ++r) {
+                  const policy::KeyRange seen = mask.keys_of(r % seqlen_q);
+                  for (int64_t j = std::max<int64_t>(seen.first, 0); j <= seen.last; ++j) {
+                    ASSERT_EQ(walked[j], 1) << "row " << r << " key " << j << " (seqlen_q " << seqlen_q << ", group "
+                                            << group << ", len_k " << len_k << ", window " << wl << "/" << wr
+                                            << ", splits " << splits << ", warps " << warps << ")";
+                  }
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The decode kernel's page-table walk (attention.cuh load_tile): per tile, one table read when the tile's slots
+// lie in one block, else slot_of per key. Both give, for every key, the block and row a naive walk gives.
+TEST(CudaDecode, PageTableWalkMatchesBruteForce) {
+  for (int block_size : {1, 3, 16, 31, 32, 33, 64, 256}) {
+    for (int leftpad : {0, 1, 5, 40}) {
+      const int len_k = 300;
+      const int slots = leftpad + len_k;
+      const int blocks = (slots + block_size - 1) / block_size;
+      std::vector<int32_t> table(blocks);
+      for (int i = 0; i < blocks; ++i) table[i] = (i * 7919 + 13) % 1009;  // scattered, distinct
+      for (int splits : {1, 3}) {
+        for (int s = 0; s < splits; ++s) {
+          const decode::KeySpan mine = decode::split_keys({0, len_k}, splits, s, decode::kTileKeys);
+          for (int n0 = mine.begin; n0 < mine.end; n0 += decode::kTileKeys) {
+            const int64_t slot0 = int64_t{leftpad} + n0;
+            const bool one = decode::slots_in_one_block(slot0, decode::kTileKeys, block_size);
+            for (int jj = 0; jj < decode::kTileKeys && n0 + jj < mine.end; ++jj) {
+              const int64_t slot = slot0 + jj;
+              const decode::Slot got = one ? decode::Slot{table[slot0 / block_size], slot0 % block_size + jj}
+                                           : decode::slot_of(table.data(), block_size, slot);
+              EXPECT_EQ(got.block, table[slot / block_size]) << block_size << " " << leftpad << " " << slot;
+              EXPECT_EQ(got.row, slot % block_size);
+            }
+          }
+        }
+      }
+      const decode::Slot dense = decode::slot_of(nullptr, block_size, 77);
+      EXPECT_EQ(dense.block, -1);
+      EXPECT_EQ(dense.row, 77);
+    }
+  }
+}
+
+TEST(CudaDecode, SharedMemoryFitsEverySm80FamilyGpu) {
+  for (int d : kDecodeHeadDims) {
+    EXPECT_LE(decode::smem_bytes(d, 2), kSmallSmemBytes) << "head dim tile " << d;
+    EXPECT_GE(decode::warp_stages_for(d), 2) << "a warp loads one tile while it computes another";
+    EXPECT_GE(decode::kv_smem_bytes(d, 2), decode::warps_for(d) * decode::kRows * d * 4)
+        << "the warps' fp32 partial outputs fit the stages they reuse";
+    EXPECT_EQ(d % 64, 0) << "decode tiles fill whole 64-element swizzle rows";
+  }
 }
 
 }  // namespace

@@ -12,6 +12,8 @@
 #   sanitize  compute-sanitizer on tests/gpu/sanitize.py, one run per tool in SANITIZE_TOOLS (default
 #             "memcheck racecheck"); SANITIZE_ARGS: more sanitizer arguments (e.g. "--kernel-name kns=flare")
 #   bench     bench/gpu/bench_gpu.py --out $OUT, then its plot    BENCH_ARGS (e.g. "--quick")
+#   decode    bench/gpu/bench_decode.py --out $OUT (gpu-decode-<date>-<sha>.json; not in the default list)
+#             DECODE_ARGS (e.g. "--groups dense")
 #   train     bench/gpu/train_llama.py --out $OUT                 TRAIN_ARGS (e.g. "--steps 10")
 #   demo      the GPU demo, when it was built                     DEMO_ARGS (e.g. "--quick")
 #   profile   Nsight Compute on flare's kernel and torch's FA2 kernel for one shape (bench/gpu/profile_target.py),
@@ -29,6 +31,7 @@
 # On the GPU machine, one call each (the full suite alone takes a few minutes):
 #   FLARE_COMMIT=<sha> tests/gpu/run.sh tests sanitize
 #   FLARE_COMMIT=<sha> tests/gpu/run.sh bench
+#   FLARE_COMMIT=<sha> tests/gpu/run.sh decode
 #   FLARE_COMMIT=<sha> tests/gpu/run.sh train demo
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
@@ -38,8 +41,8 @@ STAGES=("$@")
 [[ ${#STAGES[@]} -eq 0 ]] && STAGES=(tests sanitize bench train demo)
 for s in "${STAGES[@]}"; do
   case $s in
-    tests|sanitize|bench|train|demo|profile) ;;
-    *) echo "run.sh: unknown stage '$s' (tests sanitize bench train demo profile)" >&2; exit 2 ;;
+    tests|sanitize|bench|decode|train|demo|profile) ;;
+    *) echo "run.sh: unknown stage '$s' (tests sanitize bench decode train demo profile)" >&2; exit 2 ;;
   esac
 done
 
@@ -140,6 +143,10 @@ for s in "${STAGES[@]}"; do
       if [[ -n $result ]]; then
         stage bench-plot 60 "$PY" bench/gpu/plot.py "$result"
       fi
+      ;;
+    decode)
+      words DECODE_ARGS
+      stage decode 400 "$PY" bench/gpu/bench_decode.py --out "$OUT" "${WORDS[@]}"
       ;;
     train)
       words TRAIN_ARGS

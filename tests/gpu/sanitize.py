@@ -8,7 +8,8 @@ compute-sanitizer (10-100x slower than a plain run), each checked against the fp
 Shapes: causal, GQA/MQA, windows + softcap + ALiBi, varlen with an empty sequence and seqused_k, head dims
 64/128/256 (and 40, not a tile size), fp16 and bf16, the deterministic backward, and the small-shared-memory
 kernels of sm_86 / sm_89 (forced with FLARE_CUDA_SMEM_LIMIT; on sm_90 they need a FLARE_CUDA_ALL_CONFIGS build). Lengths are odd so that
-every partial tile is touched. torch's caching allocator is switched off (PYTORCH_NO_CUDA_MEMORY_CACHING=1,
+every partial tile is touched. The KV-cache pass ("kv-" cases, test_cuda_kvcache.py's check): paged caches of
+odd page sizes with appends across pages, rotary, splits, leftpad, empty and full sequences. torch's caching allocator is switched off (PYTORCH_NO_CUDA_MEMORY_CACHING=1,
 set here before torch starts) so that each tensor is its own allocation and memcheck sees an overrun past
 it rather than into a neighbour in the same pooled block.
 
@@ -86,6 +87,22 @@ def main():
         "small-window-hd64-bf16": Case(dtype=bf16, batch=2, seqlen_q=150, seqlen_k=203, nheads=2, nheads_k=2,
                                        headdim=64, window=(32, 16)),
     }
+    from test_cuda_kvcache import KvCase, check_kv_case
+    cases.update({
+        "kv-paged3-append-rotary-splits-bf16": KvCase(batch=3, seqlen_q=2, nheads=8, nheads_k=2, headdim=128,
+                                                      capacity=77, page=3, seqlen_new=5, rotary="halves",
+                                                      rotary_dim=64, causal=True, num_splits=3),
+        "kv-dense-leftpad-gqa-fp16": KvCase(dtype=fp16, batch=4, seqlen_q=1, nheads=32, nheads_k=8, headdim=128,
+                                            capacity=300, seqlen_new=1, leftpad=True, causal=True),
+        "kv-paged16-mqa-hd256-window-sinks": KvCase(batch=2, seqlen_q=7, nheads=4, nheads_k=1, headdim=256,
+                                                    capacity=150, page=16, seqlen_new=2, window=(40, 0),
+                                                    sinks=True, num_splits=2),
+        "kv-page1-hd64-softcap-alibi-spec": KvCase(batch=3, seqlen_q=7, nheads=8, nheads_k=2, headdim=64,
+                                                   capacity=60, page=1, seqlen_new=3, softcap=10.0, alibi=True,
+                                                   causal=True, rotary="interleaved"),
+        "kv-hd40-v72-batch-idx": KvCase(batch=3, seqlen_q=3, nheads=6, nheads_k=3, headdim=40, headdim_v=72,
+                                        capacity=90, batch_idx=True, seqlen_new=2, causal=True, num_splits=7),
+    })
     if args.only:
         cases = {n: c for n, c in cases.items() if args.only in n}
     if args.list:
@@ -109,7 +126,10 @@ def main():
         else:
             os.environ.pop("FLARE_CUDA_SMEM_LIMIT", None)
         try:
-            check_case(case)
+            if isinstance(case, KvCase):
+                check_kv_case(case)
+            else:
+                check_case(case)
             if args.device == "cuda":
                 torch.cuda.synchronize()
             status = "ok"

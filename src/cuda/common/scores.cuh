@@ -11,28 +11,10 @@
 
 #include "common/attention_policy.hpp"
 #include "common/philox.hpp"
+#include "cuda/common/fast_math.cuh"
 #include "cuda/common/tile_utils.cuh"
 
 namespace flare::cuda {
-
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-// 2^x (ex2.approx: relative error ~2^-22, -inf -> 0).
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// tanh from one ex2 and one reciprocal: tanh(u) = 1 - 2 / (e^{2u} + 1). Absolute error ~1e-7, saturating
-// cleanly to ±1 (no call to the libdevice tanhf, whose register appetite spilled the kernels).
-__device__ __forceinline__ float tanh_approx(float u) {
-  float e, r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(u * (2.f * 1.4426950408889634f)));
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(e + 1.f));
-  return 1.f - 2.f * r;
-}
 
 // Dropout's factor of (query row i, key col j) of the call's (sequence, head) stream (b * nheads + h): the
 // params' dropout_scale where kept, 0 where dropped (flare.h's mapping; one Philox draw per element, of

@@ -35,6 +35,16 @@ constexpr bool sm90_unit_built(int d) {
   return false;
 }
 
+// Whether this build compiled the decode units of head dim d.
+constexpr bool decode_unit_built(int d) {
+  switch (d) {
+    case 64: return FLARE_HAS_HEADDIM_64;
+    case 128: return FLARE_HAS_HEADDIM_128;
+    case 256: return FLARE_HAS_HEADDIM_256;
+  }
+  return false;
+}
+
 // fp16 or bf16 (the dtypes every unit is compiled for).
 template <int kHeadDim, class F>
 decltype(auto) by_dtype(flare_dtype dtype, F&& f) {
@@ -94,6 +104,24 @@ R sm90_dispatch(flare_dtype dtype, int d, R fallback, F&& f) {
       break;
     case 256:
       if constexpr (sm90_unit_built(256)) return by_dtype<256>(dtype, f);
+      break;
+  }
+  return fallback;
+}
+
+// f.template operator()<dtype, d>() for the decode unit of (dtype, d); `fallback` where this build lacks it
+// (unreachable: heuristics.hpp picks built units only).
+template <class R, class F>
+R decode_dispatch(flare_dtype dtype, int d, R fallback, F&& f) {
+  switch (d) {
+    case 64:
+      if constexpr (decode_unit_built(64)) return by_dtype<64>(dtype, f);
+      break;
+    case 128:
+      if constexpr (decode_unit_built(128)) return by_dtype<128>(dtype, f);
+      break;
+    case 256:
+      if constexpr (decode_unit_built(256)) return by_dtype<256>(dtype, f);
       break;
   }
   return fallback;

@@ -9,5 +9,6 @@ namespace flare::cuda {
 // A build compiles those of FLARE_HEADDIMS (and the sm90 ones only with FLARE_SM90): dispatch.hpp says which.
 inline constexpr int kSm80HeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
 inline constexpr int kSm90HeadDims[] = {64, 96, 128, 192, 256};
+inline constexpr int kDecodeHeadDims[] = {64, 128, 256};
 
 }  // namespace flare::cuda

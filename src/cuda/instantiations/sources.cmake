@@ -6,7 +6,7 @@
 set(FLARE_CUDA_HEADDIMS 32 64 96 128 160 192 224 256)
 # Per arch path: its passes and head dims; FLARE_<ARCH>_<PASS>_HDIM<d> lists that unit's sources, one per
 # dtype, relative to src/.
-set(FLARE_CUDA_ARCH_PATHS sm80 sm90)
+set(FLARE_CUDA_ARCH_PATHS sm80 sm90 decode)
 set(FLARE_SM80_PASSES fwd bwd)
 set(FLARE_SM80_HEADDIMS 32 64 96 128 160 192 224 256)
 set(FLARE_SM80_FWD_HDIM32 cuda/instantiations/sm80_fwd_fp16_hdim32.cu cuda/instantiations/sm80_fwd_bf16_hdim32.cu)
@@ -32,3 +32,8 @@ set(FLARE_SM90_FWD_HDIM96 cuda/instantiations/sm90_fwd_fp16_hdim96.cu cuda/insta
 set(FLARE_SM90_FWD_HDIM128 cuda/instantiations/sm90_fwd_fp16_hdim128.cu cuda/instantiations/sm90_fwd_bf16_hdim128.cu)
 set(FLARE_SM90_FWD_HDIM192 cuda/instantiations/sm90_fwd_fp16_hdim192.cu cuda/instantiations/sm90_fwd_bf16_hdim192.cu)
 set(FLARE_SM90_FWD_HDIM256 cuda/instantiations/sm90_fwd_fp16_hdim256.cu cuda/instantiations/sm90_fwd_bf16_hdim256.cu)
+set(FLARE_DECODE_PASSES fwd)
+set(FLARE_DECODE_HEADDIMS 64 128 256)
+set(FLARE_DECODE_FWD_HDIM64 cuda/instantiations/decode_fwd_fp16_hdim64.cu cuda/instantiations/decode_fwd_bf16_hdim64.cu)
+set(FLARE_DECODE_FWD_HDIM128 cuda/instantiations/decode_fwd_fp16_hdim128.cu cuda/instantiations/decode_fwd_bf16_hdim128.cu)
+set(FLARE_DECODE_FWD_HDIM256 cuda/instantiations/decode_fwd_fp16_hdim256.cu cuda/instantiations/decode_fwd_bf16_hdim256.cu)
