@@ -11,7 +11,9 @@ Implementations (BENCH.md names):
 
 Shapes: BENCH.md's convention (fixed total tokens, batch = tokens / seqlen; fixed model width, nheads =
 width / headdim) scaled for a small CPU: 8192 tokens and width 256 (the GPU protocol's 16384 x 2048 is
-16x the work), so the largest row (seqlen 8192, batch 1) takes seconds per run, not minutes.
+16x the work), so the largest row (seqlen 8192, batch 1) takes seconds per run, not minutes. Rows of group
+"race" add many short, odd-length sequences: batch 60 x 4 heads x head dim 64 at the lengths of
+FlashAttention's race-condition test (1 x 239, 239 x 1, 3 x 799, ..., 768 x 768). Dtypes fp32, bf16, fp16.
 All tensors are stored (batch, seqlen, nheads, headdim), the layout a QKV projection produces: flare reads
 it directly, torch gets the transposed (batch, nheads, seqlen, headdim) views, as transformers passes them.
 
@@ -57,7 +59,11 @@ TOTAL_TOKENS = 8192
 MODEL_WIDTH = 256
 SEQLENS = [512, 1024, 2048, 4096, 8192]
 HEADDIMS = [64, 128]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Many short, odd-length sequences: FlashAttention's race-condition test shapes (batch 60, 4 heads), group "race".
+RACE_BATCH, RACE_HEADS, RACE_HEADDIM = 60, 4, 64
+RACE_SEQLENS = [(1, 239), (239, 1), (3, 799), (799, 3), (1024, 128), (97, 97), (128, 128), (200, 200), (256, 256),
+                (257, 257), (384, 384), (512, 512), (768, 768)]
 
 # The long-context memory run: forward, causal, 1 x MEM_HEADS x MEM_HEADDIM, MEM_DTYPE.
 MEM_SEQLEN = 32768
@@ -66,7 +72,7 @@ MEM_HEADDIM = 128
 MEM_DTYPE = "bf16"
 
 # Accuracy gate: |flare - ref| <= 2 * |torch - ref| + TOL[dtype] * max(1, max|ref|).
-TOL = {"fp32": 1e-4, "bf16": 1e-2}
+TOL = {"fp32": 1e-4, "bf16": 1e-2, "fp16": 2e-3}
 
 MIB = 1024.0 ** 2
 GIB = 1024.0 ** 3
@@ -251,11 +257,18 @@ def shape_of(seqlen, headdim, args):
             "seqlen_q": seqlen, "seqlen_k": seqlen, "headdim": headdim}
 
 
+def race_shape(seqlen_q, seqlen_k):
+    return {"batch": RACE_BATCH, "nheads": RACE_HEADS, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k,
+            "headdim": RACE_HEADDIM, "group": "race"}
+
+
 def make_row(pass_, impl, dtype_name, shape, causal, ms, **extra):
     row = {"pass": pass_, "impl": impl, "dtype": dtype_name, "batch": shape["batch"],
            "seqlen_q": shape["seqlen_q"], "seqlen_k": shape["seqlen_k"], "nheads": shape["nheads"],
            "nheads_k": shape["nheads"], "headdim": shape["headdim"], "causal": causal,
            "ms": None if ms is None else round(ms, 4)}
+    if "group" in shape:
+        row["group"] = shape["group"]
     if ms is not None:
         flops = attention_flops(pass_, shape["batch"], shape["nheads"], shape["seqlen_q"], shape["seqlen_k"],
                                 shape["headdim"], causal)
@@ -266,12 +279,13 @@ def make_row(pass_, impl, dtype_name, shape, causal, ms, **extra):
 
 def random_inputs(shape, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
-    b, s, h, d = shape["batch"], shape["seqlen_q"], shape["nheads"], shape["headdim"]
-    return [torch.randn(b, s, h, d, generator=gen).to(dtype) for _ in range(4)]  # q, k, v, dout
+    b, h, d = shape["batch"], shape["nheads"], shape["headdim"]
+    return [torch.randn(b, shape[n], h, d, generator=gen).to(dtype)
+            for n in ("seqlen_q", "seqlen_k", "seqlen_k", "seqlen_q")]  # q, k, v, dout
 
 
-def run_shape(lib, dtype_name, headdim, causal, seqlen, seed, args, table):
-    shape = shape_of(seqlen, headdim, args)
+def run_shape(lib, dtype_name, shape, causal, seed, args, table):
+    headdim, sq, sk = shape["headdim"], shape["seqlen_q"], shape["seqlen_k"]
     dtype = DTYPES[dtype_name]
     q, k, v, dout = random_inputs(shape, dtype, seed)
     flare = FlareRunner(lib, q, k, v, dout, causal, args.threads)
@@ -279,13 +293,13 @@ def run_shape(lib, dtype_name, headdim, causal, seqlen, seed, args, table):
     ref = AutogradRunner(torch_sdpa(causal), *(x.float() for x in (q, k, v, dout)))
     runners = {"flare": flare, "torch-cpu": sdpa}
     budget = args.naive_budget_gib * GIB
-    naive_fits = {p: naive_bytes(p, shape["batch"], shape["nheads"], seqlen, seqlen) <= budget
+    naive_fits = {p: naive_bytes(p, shape["batch"], shape["nheads"], sq, sk) <= budget
                   for p in ("fwd", "bwd")}
     if naive_fits["fwd"] or naive_fits["bwd"]:
         runners["naive"] = AutogradRunner(naive(causal), q, k, v, dout)
 
     # Accuracy gate before any timing.
-    where = f"{dtype_name} hd{headdim} {'causal' if causal else 'full'} seqlen {seqlen}"
+    where = f"{dtype_name} hd{headdim} {'causal' if causal else 'full'} seqlen {sq}x{sk}"
     flare.fwd()
     flare.bwd()
     ref_out, ref_grads = ref.fwd(), ref.bwd()
@@ -310,7 +324,7 @@ def run_shape(lib, dtype_name, headdim, causal, seqlen, seed, args, table):
         times = {}
         for impl, runner in runners.items():
             if impl == "naive" and not naive_fits[pass_]:
-                need = naive_bytes(pass_, shape["batch"], shape["nheads"], seqlen, seqlen)
+                need = naive_bytes(pass_, shape["batch"], shape["nheads"], sq, sk)
                 rows.append(make_row(pass_, impl, dtype_name, shape, causal, None,
                                      skipped=f"needs {need / GIB:.1f} GiB (> --naive-budget-gib "
                                              f"{args.naive_budget_gib:g})"))
@@ -407,7 +421,7 @@ class Table:
     """The progress table printed while the run goes (bench/table.py's Console)."""
 
     def __init__(self):
-        self.console = Console([("pass", -4), ("dtype", -5), ("hd", 4), ("causal", -6), ("seqlen", 6), ("b x h", 7),
+        self.console = Console([("pass", -4), ("dtype", -5), ("hd", 4), ("causal", -6), ("seqlen", 9), ("b x h", 7),
                                 "|", ("flare ms", 10), ("torch ms", 10), ("naive ms", 10),
                                 "|", ("torch/flare", 11), ("flare GF/s", 10)])
 
@@ -415,7 +429,8 @@ class Table:
         flare_ms, torch_ms = times.get("flare"), times.get("torch-cpu")
         flops = attention_flops(pass_, shape["batch"], shape["nheads"], shape["seqlen_q"], shape["seqlen_k"],
                                 shape["headdim"], causal)
-        self.console.row(pass_, dtype_name, shape["headdim"], "yes" if causal else "no", shape["seqlen_q"],
+        sq, sk = shape["seqlen_q"], shape["seqlen_k"]
+        self.console.row(pass_, dtype_name, shape["headdim"], "yes" if causal else "no", sq if sq == sk else f"{sq}x{sk}",
                          f"{shape['batch']}x{shape['nheads']}",
                          *(fmt(times.get(impl), 2) if impl in times else None
                            for impl in ("flare", "torch-cpu", "naive")),
@@ -454,8 +469,13 @@ def parse_args():
     p.add_argument("--mem-headdim", type=int, default=MEM_HEADDIM)
     p.add_argument("--mem-dtype", choices=sorted(DTYPES), default=MEM_DTYPE)
     p.add_argument("--memory-child", choices=["flare", "torch-cpu", "naive"], help=argparse.SUPPRESS)
+    p.add_argument("--race", choices=["yes", "no", "only"], default=None,
+                   help="the many-short-sequences rows (batch 60 x 4 heads, FlashAttention's race-test lengths; "
+                        "default yes, no with --quick)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    if args.race is None:
+        args.race = "no" if args.quick else "yes"
     if args.quick:
         args.seqlens, args.headdims, args.causal = [512, 1024], [64], "yes"
         args.max_runs, args.budget_s = 3, 1.0
@@ -479,7 +499,9 @@ def main():
         **meta.provenance(__file__), "device": meta.cpu_description(), "ceilings": ceilings,
         "flare_version": lib.version(), "flare_cpu_isa": lib.cpu_isa(), "torch": torch.__version__,
         "threads": args.threads,
-        "shapes": f"batch = max(1, {args.tokens} // seqlen), nheads = {args.width} // headdim",
+        "shapes": f"batch = max(1, {args.tokens} // seqlen), nheads = {args.width} // headdim; group race: "
+                  f"batch {RACE_BATCH} x {RACE_HEADS} heads x hd {RACE_HEADDIM} at FlashAttention's race-test "
+                  f"lengths (seqlen_q x seqlen_k)",
         "timing": f"time.perf_counter, median of 3..{args.max_runs} runs after one warm-up; flare and "
                   f"torch-cpu calls alternated",
     }
@@ -491,12 +513,14 @@ def main():
     table = Table()
     rows = []
     seed = args.seed
+    shapes = [] if args.race == "only" else [shape_of(s, d, args) for d in args.headdims for s in args.seqlens]
+    if args.race != "no":
+        shapes += [race_shape(sq, sk) for (sq, sk) in RACE_SEQLENS]
     for dtype_name in args.dtypes:
-        for headdim in args.headdims:
-            for causal in causals:
-                for seqlen in args.seqlens:
-                    rows += run_shape(lib, dtype_name, headdim, causal, seqlen, seed, args, table)
-                    seed += 1
+        for causal in causals:
+            for shape in shapes:
+                rows += run_shape(lib, dtype_name, shape, causal, seed, args, table)
+                seed += 1
     if args.mem_seqlen > 0:
         rows += run_memory(args)
 

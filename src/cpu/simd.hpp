@@ -330,9 +330,14 @@ inline void load_row(const void* src, flare_dtype dtype, T* dst, int64_t n, T mu
       int64_t c = 0;
 #if defined(__F16C__)
       for (; c + 8 <= n; c += 8) {
-        float tmp[8];
-        _mm256_storeu_ps(tmp, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + c))));
-        for (int i = 0; i < 8; ++i) dst[c + i] = static_cast<T>(tmp[i]) * mul;
+        const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + c)));
+        if constexpr (std::is_same_v<T, float>) {
+          _mm256_storeu_ps(dst + c, _mm256_mul_ps(x, _mm256_set1_ps(mul)));
+        } else {
+          float tmp[8];
+          _mm256_storeu_ps(tmp, x);
+          for (int i = 0; i < 8; ++i) dst[c + i] = static_cast<T>(tmp[i]) * mul;
+        }
       }
 #endif
       for (; c < n; ++c) dst[c] = static_cast<T>(f16_to_float(s[c])) * mul;

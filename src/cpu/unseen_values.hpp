@@ -19,12 +19,17 @@
 namespace flare::cpu::FLARE_ISA {
 
 // The exponent field of one element (dtype's storage), and whether it is all ones (NaN or infinity).
+// The masked exponent never exceeds kExponent, so "some element's is all ones" is "the largest is": a max
+// reduction, which compilers vectorise (no early exit, no boolean accumulator).
 template <class Bits, Bits kExponent>
 inline bool any_exponent_all_ones(const void* x, int64_t n) {
   const auto* bits = static_cast<const Bits*>(x);
-  bool any = false;
-  for (int64_t i = 0; i < n; ++i) any |= (bits[i] & kExponent) == kExponent;  // vectorised: no early exit
-  return any;
+  Bits most = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const Bits e = static_cast<Bits>(bits[i] & kExponent);
+    most = e > most ? e : most;
+  }
+  return most == kExponent;
 }
 inline bool any_nonfinite(const void* x, flare_dtype dtype, int64_t n) {
   switch (dtype) {
