@@ -100,6 +100,8 @@ inline PanelsB<T> value_panels(const ForwardScratch<T, Tiles>& ws,
 }
 
 // Packs keys [j0, j0 + kBk) of one kv head: K^T (headdim x kBk) and V (kBk x dvp), zero-padded, in panels.
+// A sequence's last block is packed up to its last key, rounded up to W: the products never read further
+// (forward_tiles cuts each block there), so a short sequence does not pay for a whole block of padding.
 // K is transposed W keys at a time (transpose_square): straight from the input when it is stored in the
 // compute type, densely, with whole vectors per row; else from rows converted into the scores tile. V rows
 // are converted straight into their panel pieces.
@@ -115,7 +117,8 @@ inline void pack_key_block(const Problem& p, const RowPtr& krows, const RowPtr& 
   T* vblock = t.v + kb * Bk * dvp;
   T* stage = t.s;  // W key rows of dp
   const bool k_in_place = p.dtype == dtype_of<T>() && krows.blocks == nullptr && d % W == 0;
-  for (int64_t jj0 = 0; jj0 < Bk; jj0 += W) {
+  const int64_t packed = smin(Bk, round_up(seqlen_k - kb * Bk, W));
+  for (int64_t jj0 = 0; jj0 < packed; jj0 += W) {
     const bool direct = k_in_place && kb * Bk + jj0 + W <= seqlen_k;
     for (int64_t i = 0; i < W; ++i) {
       const int64_t jj = jj0 + i, j = kb * Bk + jj;
@@ -144,7 +147,10 @@ inline void pack_key_block(const Problem& p, const RowPtr& krows, const RowPtr& 
     const int64_t ld = direct ? krows.row_bytes / static_cast<int64_t>(sizeof(T)) : dp;
     transpose_rows<T>(src, ld, d, panel + panel_offset(0, jj0, d, Bk, w), panel_width(jj0, Bk, w));
   }
-  screen_value_block(p, vrows, seqlen_k, kb * Bk, Bk, vblock, dtype_of<T>(), Bk * dvp, t.v_flags + kb * Bk);
+  // Each V panel holds its packed keys' rows first, contiguously.
+  screen_value_pieces(p, vrows, seqlen_k, kb * Bk, Bk, dtype_of<T>(), t.v_flags + kb * Bk, [&](auto f) {
+    for (int64_t c0 = 0; c0 < dvp; c0 += w) f(vblock + c0 * Bk, packed * panel_width(c0, dvp, w));
+  });
 }
 
 // Online softmax over one block of a row. The row's scores are scale * s[c] (scale > 0, so the max can be

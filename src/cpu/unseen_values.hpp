@@ -59,13 +59,21 @@ inline void zero_nonfinite(void* x, flare_dtype dtype, int64_t n) {
 // Screens the packed values of keys [j0, j0 + nkeys) (only those below seqlen_k were read): `packed` holds
 // `count` elements of `packed_dtype` in the engine's layout. flags[jj] is set for key j0 + jj when its V
 // row holds a NaN or infinity, and those values are zeroed in the pack.
-inline void screen_value_block(const Problem& p, const RowPtr& vrows, int64_t seqlen_k, int64_t j0, int64_t nkeys,
-                               void* packed, flare_dtype packed_dtype, int64_t count, uint8_t* flags) {
+// The same for a pack whose values lie in pieces: pieces(f) calls f(start, count) for each.
+template <class Pieces>
+inline void screen_value_pieces(const Problem& p, const RowPtr& vrows, int64_t seqlen_k, int64_t j0, int64_t nkeys,
+                                flare_dtype packed_dtype, uint8_t* flags, Pieces pieces) {
   std::memset(flags, 0, nkeys);
-  if (!any_nonfinite(packed, packed_dtype, count)) return;
+  bool any = false;
+  pieces([&](void* x, int64_t n) { any = any || any_nonfinite(x, packed_dtype, n); });
+  if (!any) return;
   for (int64_t jj = 0; jj < nkeys && j0 + jj < seqlen_k; ++jj)
     flags[jj] = any_nonfinite(vrows.row(j0 + jj), p.dtype, p.headdim_v);
-  zero_nonfinite(packed, packed_dtype, count);
+  pieces([&](void* x, int64_t n) { zero_nonfinite(x, packed_dtype, n); });
+}
+inline void screen_value_block(const Problem& p, const RowPtr& vrows, int64_t seqlen_k, int64_t j0, int64_t nkeys,
+                               void* packed, flare_dtype packed_dtype, int64_t count, uint8_t* flags) {
+  screen_value_pieces(p, vrows, seqlen_k, j0, nkeys, packed_dtype, flags, [&](auto f) { f(packed, count); });
 }
 
 // Flags the keys [j0, j0 + nkeys) whose K row holds a NaN or infinity (flags[jj] for key j0 + jj; keys past
