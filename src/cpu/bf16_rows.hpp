@@ -1,8 +1,7 @@
-// bf16_rows.hpp — what the bf16 engines (AMX tiles, forward_amx.hpp / backward_amx.hpp, and AVX512_BF16 dot
-// products, forward_dot.hpp / backward_dot.hpp) share around their products: the softmax's exponentials at
-// the precision a bf16 P keeps, rounding fp32 rows to bf16, and the backward's per-query values and
-// elementwise step. Included only by translation units compiled with AVX512_BF16 (isa_amx.cpp,
-// isa_avx512bf16.cpp).
+// bf16_rows.hpp — what the bf16 tile loops (forward_bf16.hpp, backward_bf16.hpp) need around their products,
+// whichever product runs them (AMX tiles or AVX512_BF16 dot products): the softmax's exponentials at the
+// precision a bf16 P keeps, rounding fp32 rows to bf16, and the backward's per-query values and elementwise
+// step. Included only by translation units compiled with AVX512_BF16 (isa_amx.cpp, isa_avx512bf16.cpp).
 #pragma once
 
 #include <immintrin.h>
