@@ -20,7 +20,7 @@ namespace flare::cpu::FLARE_ISA {
 template <class Product>
 struct Bf16Backward {
   using Word = typename Product::Word;
-  static constexpr int64_t kBq = 64, kBk = 64;
+  static constexpr int64_t kBq = Bf16Tiles::kBackwardBq, kBk = Bf16Tiles::kBackwardBk;
   static constexpr int64_t kKeyBlocksPerStep = Product::kKeyBlocksPerStep;
 
   struct Scratch {
@@ -47,7 +47,7 @@ struct Bf16Backward {
     void layout(Arena& a, const Problem& pr, int nt) {
       const Lengths most = longest_sequence(pr);
       const int64_t nk = round_up(most.keys, kBk), nq = round_up(most.queries, kBq);
-      dims = Product::backward_dims(pr, kBq, kBk, nq, nk);
+      dims = Product::backward_dims(pr, nq, nk);
       const int packs = use_private_groups(pr, nt) ? nt : 1;
       Pack* pack = a.take<Pack>(packs);
       for (int i = 0; i < packs; ++i) {
@@ -77,14 +77,15 @@ struct Bf16Backward {
   static void thread_begin() { Product::thread_begin(); }
   static void thread_end() { Product::thread_end(); }
 
-  // Key block kb: flags the keys whose K holds a NaN or infinity, packs K and V (Product::pack_keys), clears
-  // the block's dK/dV.
+  // Key block kb: packs K and V (Product::pack_keys), flags the keys whose K holds a NaN or infinity and has
+  // the product zero those values in the dQ product's operand, clears the block's dK/dV.
   static void pack_keys(const Problem& p, const Sequence& seq, int64_t hk, int64_t kb, const Scratch& ws, int tid) {
     const auto& pk = *ws.threads[tid].pack;
     const RowPtr krows = key_rows(p, p.k, seq, hk), vrows = key_rows(p, p.v, seq, hk);
     const int64_t j0 = kb * kBk;
-    const bool flagged = flag_nonfinite_keys(p, krows, seq.seqlen_k, j0, kBk, pk.k_flags + j0);
-    Product::pack_keys(ws.dims, p, krows, vrows, seq.seqlen_k, j0, flagged, pk.k, pk.v, pk.k_for_dq);
+    Product::pack_keys(ws.dims, p, krows, vrows, seq.seqlen_k, j0, pk.k, pk.v, pk.k_for_dq);
+    if (flag_nonfinite_keys(p, krows, seq.seqlen_k, j0, kBk, pk.k_flags + j0))
+      Product::zero_nonfinite_keys(ws.dims, pk.k_for_dq, j0);
     std::memset(pk.dk + j0 * ws.dims.dk_ld(), 0, sizeof(float) * kBk * ws.dims.dk_ld());
     std::memset(pk.dv + j0 * ws.dims.dv_ld(), 0, sizeof(float) * kBk * ws.dims.dv_ld());
   }

@@ -14,6 +14,14 @@
 
 namespace flare::cpu::FLARE_ISA {
 
+// Tile shapes of the bf16 engines, whichever product runs them: the forward's query tiles and key blocks
+// (forward_bf16.hpp), the backward's (backward_bf16.hpp). Multiples of 32: the AMX products run on whole
+// 32 x 32 blocks, and P is rounded to bf16 32 columns at a time (Bf16PairWriter).
+struct Bf16Tiles {
+  static constexpr int64_t kForwardBq = 64, kForwardBk = 128;
+  static constexpr int64_t kBackwardBq = 64, kBackwardBk = 64;
+};
+
 // The softmax's exponentials on the bf16 paths: RowExpFull's (vexp2, 1.9e-7 relative, far finer than the
 // bf16 rounding of P that follows).
 using RowExpBf16 = RowExpFull;

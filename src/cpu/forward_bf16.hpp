@@ -18,7 +18,7 @@ namespace flare::cpu::FLARE_ISA {
 template <class Product>
 struct Bf16Forward {
   using Word = typename Product::Word;
-  static constexpr int64_t kBq = 64, kBk = 128;
+  static constexpr int64_t kBq = Bf16Tiles::kForwardBq, kBk = Bf16Tiles::kForwardBk;
 
   struct Scratch {
     typename Product::ForwardDims dims;
@@ -37,7 +37,7 @@ struct Bf16Forward {
 
     // Carves this problem's scratch for nt threads out of a (see groups.hpp's scratch_bytes).
     void layout(Arena& a, const Problem& pr, int nt) {
-      dims = Product::forward_dims(pr, kBk);
+      dims = Product::forward_dims(pr);
       const int64_t nkb = (longest_sequence(pr).keys + kBk - 1) / kBk;
       const int packs = use_private_groups(pr, nt) ? nt : 1;
       threads = a.take<PerThread>(nt);

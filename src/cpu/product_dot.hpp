@@ -34,22 +34,22 @@ struct DotProduct {
   static void thread_begin() {}
   static void thread_end() {}
 
-  // ---- forward: blocks of bk keys
+  // ---- forward: blocks of kBk keys
 
   struct ForwardDims {
-    int64_t bk = 0;      // keys per block
+    static constexpr int64_t kBk = Bf16Tiles::kForwardBk;  // keys per block
     int64_t dpairs = 0;  // head-dim pairs: the reduction length of S = Q Kᵀ
     int64_t dvpad = 0;   // headdim_v padded to 16: the width of O
     int64_t ldk = 0;     // words between K pair rows (padded_ld: B operand)
     int64_t ldv = 0;     // words between V pair rows
     int64_t q_row() const { return dpairs; }             // words of a Q row
     int64_t k_block() const { return dpairs * ldk; }     // words of a block's K pack
-    int64_t v_block() const { return bk / 2 * ldv; }     // and V pack
+    int64_t v_block() const { return kBk / 2 * ldv; }    // and V pack
     int64_t o_width() const { return dvpad; }            // floats of an output row
   };
-  static ForwardDims forward_dims(const Problem& p, int64_t bk) {
+  static ForwardDims forward_dims(const Problem& p) {
     const int64_t dvpad = round_up(p.headdim_v, 16);
-    return {bk, (p.headdim + 1) / 2, dvpad, padded_ld<uint32_t>(bk), padded_ld<uint32_t>(dvpad)};
+    return {(p.headdim + 1) / 2, dvpad, padded_ld<uint32_t>(ForwardDims::kBk), padded_ld<uint32_t>(dvpad)};
   }
 
   // One query row as pair words (nullptr: zeros), unscaled: the scale goes into the exponent.
@@ -62,8 +62,8 @@ struct DotProduct {
   template <class RowFn>
   static void pack_key_block(const ForwardDims& dm, const Problem& p, Word* k, Word* v, RowFn key_row,
                              RowFn value_row) {
-    pack_pairs_along_rows(k, dm.ldk, dm.bk, p.headdim, dm.dpairs, key_row);
-    pack_pairs_across_rows(v, dm.ldv, dm.bk, p.headdim_v, dm.dvpad, value_row);
+    pack_pairs_along_rows(k, dm.ldk, dm.kBk, p.headdim, dm.dpairs, key_row);
+    pack_pairs_across_rows(v, dm.ldv, dm.kBk, p.headdim_v, dm.dvpad, value_row);
   }
 
   // S (rows x cols, ld lds) = Q Kᵀ against the block's first cols keys.
@@ -78,93 +78,96 @@ struct DotProduct {
     dot_gemm<true>(rows, dm.dvpad, cols / 2, words(p), ldp / 2, v, dm.ldv, o, dm.dvpad);
   }
 
-  // ---- backward: blocks of bk keys against tiles of bq queries, keys-major
+  // ---- backward: blocks of kBk keys against tiles of kBq queries, keys-major
 
   struct BackwardDims {
-    int64_t bq = 0, bk = 0;            // queries per tile, keys per block
+    static constexpr int64_t kBq = Bf16Tiles::kBackwardBq, kBk = Bf16Tiles::kBackwardBk;
     int64_t dpairs = 0, dvpairs = 0;   // head-dim pairs: reductions of Sᵀ and dPᵀ, and the words of K, V rows
     int64_t dpad = 0, dvpad = 0;       // head dims padded to 16: widths of dK, dQ and dV
     int64_t ldd = 0, lddv = 0;         // strides of rows dpad / dvpad wide (pair rows and fp32 accumulators)
-    int64_t ldt = 0;                   // stride of the per-tile query pair rows (bq queries)
+    int64_t ldt = 0;                   // stride of the per-tile query pair rows (kBq queries)
     int64_t nk = 0, nq = 0;            // sequence lengths padded to whole blocks and tiles
     // Words of each pack (per group: K, V rows and K along keys; per query head: Q and dO along d / dv and
     // along queries), of the tile's dSᵀ repacked for dQ, and the shapes of the fp32 accumulators.
     int64_t k_rows() const { return nk * dpairs; }
     int64_t v_rows() const { return nk * dvpairs; }
     int64_t k_for_dq() const { return nk / 2 * ldd; }
-    int64_t q_by_d() const { return nq / bq * dpairs * ldt; }
-    int64_t do_by_dv() const { return nq / bq * dvpairs * ldt; }
+    int64_t q_by_d() const { return nq / kBq * dpairs * ldt; }
+    int64_t do_by_dv() const { return nq / kBq * dvpairs * ldt; }
     int64_t q_by_query() const { return nq / 2 * ldd; }
     int64_t do_by_query() const { return nq / 2 * lddv; }
-    int64_t ds_for_dq() const { return bk * bq / 2; }
+    int64_t ds_for_dq() const { return kBk * kBq / 2; }
     int64_t dk_ld() const { return ldd; }
     int64_t dv_ld() const { return lddv; }
     int64_t dq_size() const { return nq * ldd; }
     int64_t dq_at(int64_t i, int64_t c) const { return i * ldd + c; }
   };
-  static BackwardDims backward_dims(const Problem& p, int64_t bq, int64_t bk, int64_t nq, int64_t nk) {
+  static BackwardDims backward_dims(const Problem& p, int64_t nq, int64_t nk) {
     const int64_t dpad = round_up(p.headdim, 16), dvpad = round_up(p.headdim_v, 16);
-    return {bq, bk, (p.headdim + 1) / 2, (p.headdim_v + 1) / 2, dpad, dvpad, padded_ld<uint32_t>(dpad),
-            padded_ld<uint32_t>(dvpad), padded_ld<uint32_t>(bq), nk, nq};
+    return {(p.headdim + 1) / 2, (p.headdim_v + 1) / 2, dpad, dvpad, padded_ld<uint32_t>(dpad),
+            padded_ld<uint32_t>(dvpad), padded_ld<uint32_t>(BackwardDims::kBq), nk, nq};
   }
 
-  // Keys [j0, j0 + bk): K and V rows as pair words and K as pair rows along keys (all zero-padded), the dQ
-  // product's operand: there the non-finite values of flagged keys are zeroed (masked keys' K times dS = 0;
-  // the shared loop adds them back where seen).
+  // Keys [j0, j0 + kBk): K and V rows as pair words and K as pair rows along keys (all zero-padded), the
+  // last the operand of the dQ product.
   static void pack_keys(const BackwardDims& dm, const Problem& p, const RowPtr& krows, const RowPtr& vrows,
-                        int64_t seqlen_k, int64_t j0, bool flagged, Word* k, Word* v, Word* k_by_key) {
+                        int64_t seqlen_k, int64_t j0, Word* k, Word* v, Word* k_by_key) {
     const auto key_row = [&](const RowPtr& rows, int64_t j) {
       return j < seqlen_k ? reinterpret_cast<const uint16_t*>(rows.row(j)) : nullptr;
     };
-    for (int64_t j = j0; j < j0 + dm.bk; ++j) {
+    for (int64_t j = j0; j < j0 + dm.kBk; ++j) {
       prefetch_ahead(krows, j, seqlen_k, p.headdim * 2);
       prefetch_ahead(vrows, j, seqlen_k, p.headdim_v * 2);
       copy_row_pairs(k + j * dm.dpairs, key_row(krows, j), p.headdim, dm.dpairs);
       copy_row_pairs(v + j * dm.dvpairs, key_row(vrows, j), p.headdim_v, dm.dvpairs);
     }
-    Word* block = k_by_key + j0 / 2 * dm.ldd;
-    pack_pairs_across_rows(block, dm.ldd, dm.bk, p.headdim, dm.dpad, [&](int64_t jj) { return key_row(krows, j0 + jj); });
-    if (flagged) zero_nonfinite(block, FLARE_DTYPE_BF16, dm.bk * dm.ldd);  // bk / 2 rows of ldd words
+    pack_pairs_across_rows(k_by_key + j0 / 2 * dm.ldd, dm.ldd, dm.kBk, p.headdim, dm.dpad,
+                           [&](int64_t jj) { return key_row(krows, j0 + jj); });
+  }
+  // Zeroes the NaN and infinities of keys [j0, j0 + kBk) in K along keys: masked keys' K meets dS = 0 there
+  // (the shared loop adds the values back for the queries that see them).
+  static void zero_nonfinite_keys(const BackwardDims& dm, Word* k_by_key, int64_t j0) {
+    zero_nonfinite(k_by_key + j0 / 2 * dm.ldd, FLARE_DTYPE_BF16, dm.kBk * dm.ldd);  // kBk / 2 rows of ldd words
   }
 
-  // Queries [i0, i0 + bq) of one head: Q and dO as pair rows along d / dv (this tile's panel) and along
+  // Queries [i0, i0 + kBq) of one head: Q and dO as pair rows along d / dv (this tile's panel) and along
   // queries; q_row(i) and do_row(i) give query i's rows, nullptr past the sequence.
   template <class RowFn>
   static void pack_queries(const BackwardDims& dm, const Problem& p, int64_t i0, RowFn q_row, RowFn do_row,
                            Word* q_by_d, Word* do_by_dv, Word* q_by_query, Word* do_by_query) {
     const auto from_i0 = [i0](RowFn row) { return [i0, row](int64_t ii) { return row(i0 + ii); }; };
-    const int64_t qt = i0 / dm.bq, d = p.headdim, dv = p.headdim_v;
-    pack_pairs_along_rows(q_by_d + qt * dm.dpairs * dm.ldt, dm.ldt, dm.bq, d, dm.dpairs, from_i0(q_row));
-    pack_pairs_along_rows(do_by_dv + qt * dm.dvpairs * dm.ldt, dm.ldt, dm.bq, dv, dm.dvpairs, from_i0(do_row));
-    pack_pairs_across_rows(q_by_query + i0 / 2 * dm.ldd, dm.ldd, dm.bq, d, dm.dpad, from_i0(q_row));
-    pack_pairs_across_rows(do_by_query + i0 / 2 * dm.lddv, dm.lddv, dm.bq, dv, dm.dvpad, from_i0(do_row));
+    const int64_t qt = i0 / dm.kBq, d = p.headdim, dv = p.headdim_v;
+    pack_pairs_along_rows(q_by_d + qt * dm.dpairs * dm.ldt, dm.ldt, dm.kBq, d, dm.dpairs, from_i0(q_row));
+    pack_pairs_along_rows(do_by_dv + qt * dm.dvpairs * dm.ldt, dm.ldt, dm.kBq, dv, dm.dvpairs, from_i0(do_row));
+    pack_pairs_across_rows(q_by_query + i0 / 2 * dm.ldd, dm.ldd, dm.kBq, d, dm.dpad, from_i0(q_row));
+    pack_pairs_across_rows(do_by_query + i0 / 2 * dm.lddv, dm.lddv, dm.kBq, dv, dm.dvpad, from_i0(do_row));
   }
 
-  // Sᵀ (bk x bq, ld bq) = K Qᵀ for keys from j0 and the query tile at i0.
+  // Sᵀ (kBk x kBq, ld kBq) = K Qᵀ for keys from j0 and the query tile at i0.
   static void scores_t(const BackwardDims& dm, const Word* k, const Word* q_by_d, int64_t j0, int64_t i0, float* s) {
     keys_by_queries(dm, dm.dpairs, k, q_by_d, j0, i0, s);
   }
-  // dPᵀ (bk x bq) = V dOᵀ.
+  // dPᵀ (kBk x kBq) = V dOᵀ.
   static void dp_t(const BackwardDims& dm, const Word* v, const Word* do_by_dv, int64_t j0, int64_t i0, float* dp) {
     keys_by_queries(dm, dm.dvpairs, v, do_by_dv, j0, i0, dp);
   }
-  // dSᵀ (bk x bq bf16 rows) as the A operand of dQ += dS K: pairs along keys, read transposed.
+  // dSᵀ (kBk x kBq bf16 rows) as the A operand of dQ += dS K: pairs along keys, read transposed.
   static void pack_ds(const BackwardDims& dm, const uint16_t* ds, Word* ds_for_dq) {
-    pack_pairs_across_rows(ds_for_dq, dm.bq, dm.bk, dm.bq, dm.bq, [&](int64_t r) { return ds + r * dm.bq; });
+    pack_pairs_across_rows(ds_for_dq, dm.kBq, dm.kBk, dm.kBq, dm.kBq, [&](int64_t r) { return ds + r * dm.kBq; });
   }
   // dV (the block's rows, ld lddv) += Pᵀ dO.
   static void add_dv(const BackwardDims& dm, const uint16_t* p, const Word* do_by_query, int64_t i0, float* dv) {
-    dot_gemm<true>(dm.bk, dm.dvpad, dm.bq / 2, words(p), dm.bq / 2, do_by_query + i0 / 2 * dm.lddv, dm.lddv, dv,
+    dot_gemm<true>(dm.kBk, dm.dvpad, dm.kBq / 2, words(p), dm.kBq / 2, do_by_query + i0 / 2 * dm.lddv, dm.lddv, dv,
                    dm.lddv);
   }
   // dK (the block's rows, ld ldd) += dSᵀ Q.
   static void add_dk(const BackwardDims& dm, const uint16_t* ds, const Word* q_by_query, int64_t i0, float* dk) {
-    dot_gemm<true>(dm.bk, dm.dpad, dm.bq / 2, words(ds), dm.bq / 2, q_by_query + i0 / 2 * dm.ldd, dm.ldd, dk, dm.ldd);
+    dot_gemm<true>(dm.kBk, dm.dpad, dm.kBq / 2, words(ds), dm.kBq / 2, q_by_query + i0 / 2 * dm.ldd, dm.ldd, dk, dm.ldd);
   }
   // dQ (the whole sequence's) += dS K for keys from j0 and the query tile at i0.
   static void add_dq(const BackwardDims& dm, const Word* k_by_key, const Word* ds_for_dq, int64_t j0, int64_t i0,
                      float* dq) {
-    dot_gemm<true, true>(dm.bq, dm.dpad, dm.bk / 2, ds_for_dq, dm.bq, k_by_key + j0 / 2 * dm.ldd, dm.ldd,
+    dot_gemm<true, true>(dm.kBq, dm.dpad, dm.kBk / 2, ds_for_dq, dm.kBq, k_by_key + j0 / 2 * dm.ldd, dm.ldd,
                          dq + i0 * dm.ldd, dm.ldd);
   }
 
@@ -172,11 +175,11 @@ struct DotProduct {
   // bf16 rows read as pair words along them.
   static const Word* words(const uint16_t* x) { return reinterpret_cast<const Word*>(x); }
 
-  // bk x bq (ld bq) = rows of A (keys from j0, `pairs` words each) times the query tile at i0 of B (pair
+  // kBk x kBq (ld kBq) = rows of A (keys from j0, `pairs` words each) times the query tile at i0 of B (pair
   // rows along the same width, one panel of pairs x ldt words per tile).
   static void keys_by_queries(const BackwardDims& dm, int64_t pairs, const Word* a, const Word* b, int64_t j0,
                               int64_t i0, float* out) {
-    dot_gemm<false>(dm.bk, dm.bq, pairs, a + j0 * pairs, pairs, b + i0 / dm.bq * pairs * dm.ldt, dm.ldt, out, dm.bq);
+    dot_gemm<false>(dm.kBk, dm.kBq, pairs, a + j0 * pairs, pairs, b + i0 / dm.kBq * pairs * dm.ldt, dm.ldt, out, dm.kBq);
   }
 };
 
