@@ -1,8 +1,7 @@
-// bf16_rows.hpp — what the bf16 engines (AMX tiles, forward_amx.hpp / backward_amx.hpp, and AVX512_BF16 dot
-// products, forward_dot.hpp / backward_dot.hpp) share around their products: the softmax's exponentials at
-// the precision a bf16 P keeps, rounding fp32 rows to bf16, and the backward's per-query values and
-// elementwise step. Included only by translation units compiled with AVX512_BF16 (isa_amx.cpp,
-// isa_avx512bf16.cpp).
+// bf16_rows.hpp — what the bf16 tile loops (forward_bf16.hpp, backward_bf16.hpp) need around their products,
+// whichever product runs them (AMX tiles or AVX512_BF16 dot products): the softmax's exponentials at the
+// precision a bf16 P keeps, rounding fp32 rows to bf16, and the backward's per-query values and elementwise
+// step. Included only by translation units compiled with AVX512_BF16 (isa_amx.cpp, isa_avx512bf16.cpp).
 #pragma once
 
 #include <immintrin.h>
@@ -14,6 +13,14 @@
 #include "cpu/sequences.hpp"
 
 namespace flare::cpu::FLARE_ISA {
+
+// Tile shapes of the bf16 engines, whichever product runs them: the forward's query tiles and key blocks
+// (forward_bf16.hpp), the backward's (backward_bf16.hpp). Multiples of 32: the AMX products run on whole
+// 32 x 32 blocks, and P is rounded to bf16 32 columns at a time (Bf16PairWriter).
+struct Bf16Tiles {
+  static constexpr int64_t kForwardBq = 64, kForwardBk = 128;
+  static constexpr int64_t kBackwardBq = 64, kBackwardBk = 64;
+};
 
 // The softmax's exponentials on the bf16 paths: RowExpFull's (vexp2, 1.9e-7 relative, far finer than the
 // bf16 rounding of P that follows).
