@@ -175,6 +175,37 @@ __device__ __forceinline__ void shape_scores_each(S const& s, C const& coord, in
   }
 }
 
+// The online softmax's step over one tile of log2 logits s (a row/column view: kRows rows of this thread, each
+// row spread over the four threads of a quad) with exp2 factor f: each row's new running max, the factor that
+// rescales what the row had accumulated (correction: exp2((old max - new max) * f), 0 on its first visible
+// tile), P = exp2(s * f - max * f) in place of the scores, and the running sums rescaled and added to.
+// Returns whether any of the thread's rows moved its max.
+template <int kRows, class S>
+__device__ __forceinline__ bool online_softmax(S& s, float f, float (&row_max)[kRows], float (&row_sum)[kRows],
+                                               float (&correction)[kRows]) {
+  bool moved = false;
+  CUTE_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    float mx = row_max[r];
+    CUTE_UNROLL
+    for (int c = 0; c < cute::size<1>(s); ++c) mx = fmaxf(mx, s(r, c));
+    mx = quad_max(mx);
+    const float base = (mx == -INFINITY ? 0.f : mx) * f;
+    correction[r] = exp2_approx(row_max[r] * f - base);
+    moved |= mx != row_max[r];
+    row_max[r] = mx;
+    float sum = 0.f;
+    CUTE_UNROLL
+    for (int c = 0; c < cute::size<1>(s); ++c) {
+      const float e = exp2_approx(fmaf(s(r, c), f, -base));
+      s(r, c) = e;
+      sum += e;
+    }
+    row_sum[r] = row_sum[r] * correction[r] + sum;
+  }
+  return moved;
+}
+
 // The window mask alone, in place: -inf where key j of row i is outside it. For kernels without the transform,
 // called only on boundary tiles, before the exponentials. Key j = n0 + c of row i is visible iff
 // lo_diag - (n0 - i) <= c <= hi_diag - (n0 - i) and c < len_k - n0: two bounds per row and one per tile

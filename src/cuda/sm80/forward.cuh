@@ -197,26 +197,7 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
     // output accumulator (as many multiplies as the accumulator has registers) is skipped unless a row of the
     // warp moved its maximum (a warp-uniform branch) — where the registers allow it (T::kSkipSettledRescale).
     float correction[kRows];
-    bool moved = false;
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      float mx = row_max[r];
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) mx = fmaxf(mx, s(r, c));
-      mx = quad_max(mx);
-      const float base = (mx == -INFINITY ? 0.f : mx) * f;
-      correction[r] = exp2_approx(row_max[r] * f - base);  // 0 on the first visible tile
-      moved |= mx != row_max[r];
-      row_max[r] = mx;
-      float sum = 0.f;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) {
-        const float e = exp2_approx(fmaf(s(r, c), f, -base));
-        s(r, c) = e;
-        sum += e;
-      }
-      row_sum[r] = row_sum[r] * correction[r] + sum;
-    }
+    const bool moved = online_softmax(s, f, row_max, row_sum, correction);
     if (dropping) {
       // Dropout: P times its keep factors after the sum took it whole (lse stays undropped).
       uint64_t keep[kRows];

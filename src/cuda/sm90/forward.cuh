@@ -200,24 +200,7 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
     } else if (masked) {
       mask_scores(s_rc, coord_rc, m0 + row_base, n0 + col_base, shape);
     }
-    CUTE_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      float mx = row_max[r];
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s_rc); ++c) mx = fmaxf(mx, s_rc(r, c));
-      mx = quad_max(mx);
-      const float base = (mx == -INFINITY ? 0.f : mx) * f;
-      correction[r] = exp2_approx(row_max[r] * f - base);  // 0 on the first visible block
-      row_max[r] = mx;
-      float sum = 0.f;
-      CUTE_UNROLL
-      for (int c = 0; c < size<1>(s_rc); ++c) {
-        const float e = exp2_approx(fmaf(s_rc(r, c), f, -base));
-        s_rc(r, c) = e;
-        sum += e;
-      }
-      row_sum[r] = row_sum[r] * correction[r] + sum;
-    }
+    online_softmax(s_rc, f, row_max, row_sum, correction);
   };
 
   const int first = static_cast<int>(blocks.first);
