@@ -196,33 +196,36 @@ inline void backward_tile(const Problem& p, const Sequence& seq, int64_t h, int6
   const int64_t d = p.headdim, dv = p.headdim_v, dp = ws.dp, dvp = ws.dvp, ld = ws.ld, ldv = ws.ldv;
   const int64_t i0 = qt * Bq, j0 = kb * Bk;
   const int64_t rows = smin(Bq, seq.seqlen_q - i0);
+  // The products cover the tile's rows and the block's keys up to the sequence's last (rounded up to W): a
+  // short sequence's tile costs its rows and keys, not Bq x Bk. Keys past the end within those columns are
+  // masked (their packed K and V are 0); rows and keys past them are never read.
+  const int64_t cols = smin(Bk, round_up(seq.seqlen_k - j0, W));
   const policy::WindowMask mask = seq.mask(p);
   const auto& pk = *t.pack;
   const T* q = pk.q + i0 * ld;
   const T* dout = pk.dout + i0 * ldv;
 
-  gemm_tile_panels<T, false>(Bq, Bk, d, q, ld, PanelsB<T>{pk.kt + kb * d * Bk, d, Bk}, t.s, Bk);
+  gemm_tile_panels<T, false>(rows, cols, d, q, ld, PanelsB<T>{pk.kt + kb * d * Bk, d, Bk}, t.s, Bk);
   const ScoreShape shape = score_shape(p, seq, h);
-  const bool masked = !block_fully_visible(mask, i0, rows, j0, Bk);
-  if (shape.softcap > 0 || shape.alibi || masked) shape_scores<T>(t.s, Bk, rows, Bk, i0, j0, mask, shape, t.tanh);
-  // Masked keys (including those past the sequence end) are -inf; rows past the end have lse = +inf.
-  for (int64_t r = 0; r < Bq; ++r) {
+  const bool masked = !block_fully_visible(mask, i0, rows, j0, cols);
+  if (shape.softcap > 0 || shape.alibi || masked) shape_scores<T>(t.s, Bk, rows, cols, i0, j0, mask, shape, t.tanh);
+  // Masked keys (including those past the sequence end) are -inf.
+  for (int64_t r = 0; r < rows; ++r) {
     T* srow = t.s + r * Bk;
     const T lse = pk.lse[i0 + r];
-    for (int64_t c = 0; c < Bk; c += W) vstore(srow + c, RowExpFull::apply(vload(srow + c), T(1), lse));
+    for (int64_t c = 0; c < cols; c += W) vstore(srow + c, RowExpFull::apply(vload(srow + c), T(1), lse));
   }
   // Dropout (factors z: 0 or 1 / (1 - p)): dV += (P z)^T dO and dS = P (dP z - D), so dV waits for P z.
   const bool dropping = p.dropout_p > 0.0f;
-  if (!dropping) gemm_tile<T, true, true>(Bk, dvp, Bq, t.s, Bk, dout, ldv, pk.dv + j0 * ldv, ldv);  // dV += P^T dO
-  gemm_tile_panels<T, false>(Bq, Bk, dv, dout, ldv, PanelsB<T>{pk.vt + kb * dv * Bk, dv, Bk}, t.dp, Bk);  // dP = dO V^T
-  for (int64_t r = rows; r < Bq; ++r)  // padding rows: dS = 0 (their tanh entries were never written)
-    for (int64_t c = 0; c < Bk; c += W) vstore(t.dp + r * Bk + c, V{});
+  if (!dropping) gemm_tile<T, true, true>(cols, dvp, rows, t.s, Bk, dout, ldv, pk.dv + j0 * ldv, ldv);  // dV += P^T dO
+  gemm_tile_panels<T, false>(rows, cols, dv, dout, ldv, PanelsB<T>{pk.vt + kb * dv * Bk, dv, Bk}, t.dp, Bk);  // dP = dO V^T
   const DropoutDraw draw = dropout_draw(p);
   if (dropping) {
+    const int64_t zcols = smin(Bk, round_up(cols, 16));  // the draw takes whole groups of 16 keys
     if constexpr (std::is_same_v<T, float>) {
-      dropout_tile(draw, dropout_stream(p, seq, h), i0, rows, j0, Bk, t.z, Bk);
+      dropout_tile(draw, dropout_stream(p, seq, h), i0, rows, j0, zcols, t.z, Bk);
     } else {
-      for (int64_t r = 0; r < rows; ++r) dropout_row<T>(draw, dropout_stream(p, seq, h), i0 + r, j0, Bk, t.z + r * Bk);
+      for (int64_t r = 0; r < rows; ++r) dropout_row<T>(draw, dropout_stream(p, seq, h), i0 + r, j0, zcols, t.z + r * Bk);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -231,28 +234,28 @@ inline void backward_tile(const Problem& p, const Sequence& seq, int64_t h, int6
     T* pr = t.s + r * Bk;
     const T delta = pk.delta[i0 + r];
     if (dropping) {
-      for (int64_t c = 0; c < Bk; c += W) vstore(ds + c, vload(ds + c) * vload(z + c));
+      for (int64_t c = 0; c < cols; c += W) vstore(ds + c, vload(ds + c) * vload(z + c));
     }
     if (shape.softcap > 0) {
       const T* th = t.tanh + r * Bk;
-      for (int64_t c = 0; c < Bk; c += W) {
+      for (int64_t c = 0; c < cols; c += W) {
         const V tv = vload(th + c);
         vstore(ds + c, vload(pr + c) * (vload(ds + c) - delta) * (T(1) - tv * tv));
       }
     } else {
-      for (int64_t c = 0; c < Bk; c += W) vstore(ds + c, vload(pr + c) * (vload(ds + c) - delta));
+      for (int64_t c = 0; c < cols; c += W) vstore(ds + c, vload(pr + c) * (vload(ds + c) - delta));
     }
     if (masked) {
       const policy::KeyRange keys = mask.keys_of(i0 + r);
-      fill_outside<T>(ds, Bk, keys.first - j0, keys.last - j0, T(0));
+      fill_outside<T>(ds, cols, keys.first - j0, keys.last - j0, T(0));
     }
     if (dropping)
-      for (int64_t c = 0; c < Bk; c += W) vstore(pr + c, vload(pr + c) * vload(z + c));
+      for (int64_t c = 0; c < cols; c += W) vstore(pr + c, vload(pr + c) * vload(z + c));
   }
-  if (dropping) gemm_tile<T, true, true>(Bk, dvp, Bq, t.s, Bk, dout, ldv, pk.dv + j0 * ldv, ldv);  // dV += (P z)^T dO
-  gemm_tile<T, true, true>(Bk, dp, Bq, t.dp, Bk, q, ld, pk.dk + j0 * ld, ld);        // dK += dS^T Q
-  gemm_tile<T, true>(Bq, dp, Bk, t.dp, Bk, pk.k + j0 * ld, ld, t.dq + i0 * ld, ld);  // dQ += dS K
-  add_seen_nonfinite_keys<T>(p, seq, h, pk.k_flags + j0, j0, Bk, i0, rows, t.dp, Bk, t.dq + i0 * ld, ld);
+  if (dropping) gemm_tile<T, true, true>(cols, dvp, rows, t.s, Bk, dout, ldv, pk.dv + j0 * ldv, ldv);  // dV += (P z)^T dO
+  gemm_tile<T, true, true>(cols, dp, rows, t.dp, Bk, q, ld, pk.dk + j0 * ld, ld);        // dK += dS^T Q
+  gemm_tile<T, true>(rows, dp, cols, t.dp, Bk, pk.k + j0 * ld, ld, t.dq + i0 * ld, ld);  // dQ += dS K
+  add_seen_nonfinite_keys<T>(p, seq, h, pk.k_flags + j0, j0, cols, i0, rows, t.dp, Bk, t.dq + i0 * ld, ld);
 }
 
 // The fp32/fp64 FMA engine: what run_backward needs from a compute path. One instantiation per head width.
