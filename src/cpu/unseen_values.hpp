@@ -56,10 +56,10 @@ inline void zero_nonfinite(void* x, flare_dtype dtype, int64_t n) {
   }
 }
 
-// Screens the packed values of keys [j0, j0 + nkeys) (only those below seqlen_k were read): `packed` holds
-// `count` elements of `packed_dtype` in the engine's layout. flags[jj] is set for key j0 + jj when its V
-// row holds a NaN or infinity, and those values are zeroed in the pack.
-// The same for a pack whose values lie in pieces: pieces(f) calls f(start, count) for each.
+// Screens the packed values of keys [j0, j0 + nkeys) (only those below seqlen_k were read), which lie in
+// pieces of `packed_dtype` elements in the engine's layout: pieces(f) calls f(start, count) for each.
+// flags[jj] is set for key j0 + jj when its V row holds a NaN or infinity, and those values are zeroed in
+// the pack.
 template <class Pieces>
 inline void screen_value_pieces(const Problem& p, const RowPtr& vrows, int64_t seqlen_k, int64_t j0, int64_t nkeys,
                                 flare_dtype packed_dtype, uint8_t* flags, Pieces pieces) {
@@ -71,6 +71,7 @@ inline void screen_value_pieces(const Problem& p, const RowPtr& vrows, int64_t s
     flags[jj] = any_nonfinite(vrows.row(j0 + jj), p.dtype, p.headdim_v);
   pieces([&](void* x, int64_t n) { zero_nonfinite(x, packed_dtype, n); });
 }
+// The same for a pack whose values are one run: `packed` holds `count` elements.
 inline void screen_value_block(const Problem& p, const RowPtr& vrows, int64_t seqlen_k, int64_t j0, int64_t nkeys,
                                void* packed, flare_dtype packed_dtype, int64_t count, uint8_t* flags) {
   screen_value_pieces(p, vrows, seqlen_k, j0, nkeys, packed_dtype, flags, [&](auto f) { f(packed, count); });
