@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""Two builds of libflare.so side by side on the CPU: forward and backward at bench_cpu.py's race shapes
+(batch 60 x 4 heads x head dim 64, non-causal), each pair timed interleaved (a, b, a, b, ...; median of
+--runs), and whether the two builds' outputs are bitwise equal. Topic cpu-ab.
+
+  python3 bench/cpu/ab_libs.py OLD.so NEW.so --out bench/results/cpu-ab-<date>-<sha>.json
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parents[1] / "python")]
+
+import meta  # noqa: E402
+from bench_cpu import RACE_BATCH, RACE_HEADDIM, RACE_HEADS, RACE_SEQLENS, FlareRunner  # noqa: E402
+from flare._capi import Flare  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("old", type=Path)
+    ap.add_argument("new", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "fp16"])
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    libs = [Flare(args.old), Flare(args.new)]
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for dtype_name in args.dtypes:
+        for sq, sk in RACE_SEQLENS:
+            make = lambda s: torch.randn(RACE_BATCH, s, RACE_HEADS, RACE_HEADDIM, generator=gen).to(DTYPES[dtype_name])  # noqa: E731
+            q, k, v, dout = make(sq), make(sk), make(sk), make(sq)
+            runners = [FlareRunner(lib, q, k, v, dout, False, args.threads) for lib in libs]
+            for pass_ in ("fwd", "bwd"):
+                for r in runners:
+                    r.fwd()
+                    r.bwd()
+                times = [[], []]
+                for _ in range(args.runs):
+                    for i, r in enumerate(runners):
+                        t0 = time.perf_counter()
+                        r.fwd() if pass_ == "fwd" else r.bwd()
+                        times[i].append((time.perf_counter() - t0) * 1e3)
+                old_ms, new_ms = (statistics.median(t) for t in times)
+                outs = [(r.out,) if pass_ == "fwd" else (r.dq, r.dk, r.dv) for r in runners]
+                equal = all(torch.equal(a, b) for a, b in zip(*outs))
+                rows.append({"pass": pass_, "dtype": dtype_name, "batch": RACE_BATCH, "nheads": RACE_HEADS,
+                             "headdim": RACE_HEADDIM, "seqlen_q": sq, "seqlen_k": sk, "causal": False,
+                             "old_ms": round(old_ms, 4), "new_ms": round(new_ms, 4),
+                             "speedup": round(old_ms / new_ms, 3), "bitwise_equal": equal})
+                print(f"{pass_} {dtype_name} {sq}x{sk}: old {old_ms:.2f} new {new_ms:.2f} ms  x{old_ms / new_ms:.2f}"
+                      f"  bitwise-equal {equal}", flush=True)
+    doc = {"meta": {**meta.provenance(__file__), "device": meta.cpu_description(), "threads": args.threads,
+                    "libs": {"old": str(args.old), "new": str(args.new)}, "runs": args.runs},
+           "rows": rows}
+    meta.write_result(args.out, doc)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
