@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "cpu/bf16_rows.hpp"
 
@@ -59,58 +60,91 @@ inline void amx_configure() {
 
 constexpr int64_t kTileElems = 16 * 32;  // bf16 elements in one 16 x 64-byte tile
 
+// Transposes the 16 x 16 words of r[0..15] (row i in r[i]) in place: unpacks pair the rows' words within
+// 128-bit lanes, then two rounds of lane shuffles move each lane to its row. (Zero-masked forms with full
+// masks: GCC 12 warns on the unmasked ones' undefined pass-through operand.)
+inline void transpose_words_16x16(__m512i r[16]) {
+  constexpr __mmask16 kAll = 0xffff;
+  constexpr __mmask8 kAll64 = 0xff;
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_maskz_unpacklo_epi32(kAll, r[i], r[i + 1]);      // per lane: a0 b0 a1 b1
+    t[i + 1] = _mm512_maskz_unpackhi_epi32(kAll, r[i], r[i + 1]);  //           a2 b2 a3 b3
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[4g + j], lane L: word 4L + j of rows 4g .. 4g + 3
+    r[i] = _mm512_maskz_unpacklo_epi64(kAll64, t[i], t[i + 2]);
+    r[i + 1] = _mm512_maskz_unpackhi_epi64(kAll64, t[i], t[i + 2]);
+    r[i + 2] = _mm512_maskz_unpacklo_epi64(kAll64, t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_maskz_unpackhi_epi64(kAll64, t[i + 1], t[i + 3]);
+  }
+  const auto lanes = [](__m512i a, __m512i b, auto imm) { return _mm512_maskz_shuffle_i32x4(kAll, a, b, imm()); };
+  using Even = std::integral_constant<int, 0x88>;  // lanes 0, 2 of a, then of b
+  using Odd = std::integral_constant<int, 0xdd>;   // lanes 1, 3
+  for (int j = 0; j < 4; ++j) {  // word 4L + j of all rows: lane m from r[4m + j]'s lane L
+    const __m512i x0 = lanes(r[j], r[4 + j], Even{}), x1 = lanes(r[j], r[4 + j], Odd{});
+    const __m512i y0 = lanes(r[8 + j], r[12 + j], Even{}), y1 = lanes(r[8 + j], r[12 + j], Odd{});
+    t[j] = lanes(x0, y0, Even{});
+    t[4 + j] = lanes(x1, y1, Even{});
+    t[8 + j] = lanes(x0, y0, Odd{});
+    t[12 + j] = lanes(x1, y1, Odd{});
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// The mask of the first n (clamped to [0, 32]) of 32 lanes.
+inline __mmask32 first_lanes(int64_t n) {
+  return n >= 32 ? ~__mmask32{0} : n > 0 ? (__mmask32{1} << n) - 1 : __mmask32{0};
+}
+
 // Packs rows as a B operand whose k runs along each row (K for S = Q Kᵀ: row n is key n, k the head
 // dimension): row(n) gives row n's first k_len bf16 elements (nullptr: a zero row), for n in
-// [n0, n0 + n_count); k is zero-padded to b_chunks * 32. Each pair (k, k + 1) is one 32-bit word.
+// [n0, n0 + n_count) (both multiples of 16; rows are asked for in order); k is zero-padded to
+// b_chunks * 32. Each pair (k, k + 1) is one 32-bit word, so a tile is a 16 x 16 transpose of words:
+// 16 rows' 32 elements of one k chunk are loaded (zero past k_len) and transposed in registers.
 template <class RowFn>
 inline void pack_b_k_along_rows(uint16_t* dst, int64_t b_chunks, int64_t n0, int64_t n_count, int64_t k_len,
                                 RowFn row) {
-  uint32_t* words = reinterpret_cast<uint32_t*>(dst);
-  const int64_t pairs = b_chunks * 16, full = k_len / 2 < pairs ? k_len / 2 : pairs;  // pairs with both k
-  for (int64_t n = n0; n < n0 + n_count; ++n) {
-    const uint16_t* src = row(n);
-    uint32_t* base = words + (n / 16) * b_chunks * (kTileElems / 2) + n % 16;
-    // Pair q (k = 2q, 2q + 1) goes to word (q / 16) * 256 + (q % 16) * 16 of the row's tiles.
-    const auto put = [base](int64_t q, uint32_t v) { base[(q / 16) * (kTileElems / 2) + (q % 16) * 16] = v; };
-    int64_t q = 0;
-    if (src != nullptr) {
-      for (; q < full; ++q) {
-        uint32_t v;
-        std::memcpy(&v, src + 2 * q, sizeof(v));
-        put(q, v);
-      }
-      if (q < pairs && 2 * q < k_len) {  // an odd k_len's last element
-        put(q, src[2 * q]);
-        ++q;
-      }
+  for (int64_t n = n0; n < n0 + n_count; n += 16) {
+    const uint16_t* src[16];
+    for (int i = 0; i < 16; ++i) src[i] = row(n + i);
+    uint16_t* group = dst + (n / 16) * b_chunks * kTileElems;
+    for (int64_t kc = 0; kc < b_chunks; ++kc) {
+      const __mmask32 live = first_lanes(k_len - kc * 32);
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = src[i] != nullptr ? _mm512_maskz_loadu_epi16(live, src[i] + kc * 32) : _mm512_setzero_si512();
+      transpose_words_16x16(r);
+      for (int q = 0; q < 16; ++q) _mm512_storeu_si512(group + kc * kTileElems + q * 32, r[q]);
     }
-    for (; q < pairs; ++q) put(q, 0u);
   }
 }
 
 // Packs rows as a B operand whose rows run along k (V for O += P V: row k is key k, n the column): row(k)
 // gives row k's first n_len bf16 elements (nullptr: a zero row), for k in [k0, k0 + k_count) (k0 and
-// k_count even); n is zero-padded to n_pad (a multiple of 16). Rows k and k + 1 interleave into words.
+// k_count even); n is zero-padded to n_pad (a multiple of 16). Rows k and k + 1 interleave into words:
+// 32 columns of both rows at a time, zero past n_len, one word permutation per 16 columns.
 template <class RowFn>
 inline void pack_b_n_along_rows(uint16_t* dst, int64_t b_chunks, int64_t k0, int64_t k_count, int64_t n_len,
                                 int64_t n_pad, RowFn row) {
-  uint32_t* words = reinterpret_cast<uint32_t*>(dst);
+  // Word i of the first 16 columns takes element i of the even row and element i of the odd row (32 + i);
+  // the next 16 columns' words take elements 16 + i.
+  alignas(64) static constexpr uint16_t kLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                     24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
   for (int64_t k = k0; k < k0 + k_count; k += 2) {
     const uint16_t* even = row(k);
     const uint16_t* odd = row(k + 1);
-    uint32_t* base = words + (k / 32) * (kTileElems / 2) + (k % 32) / 2 * 16;
+    uint16_t* base = dst + (k / 32) * kTileElems + (k % 32) * 16;
     // Column n goes to word (n / 16) * b_chunks * 256 + n % 16: runs of 16 consecutive words (one vector).
-    int64_t n = 0;
-    if (even != nullptr && odd != nullptr) {
-      for (; n + 16 <= n_len; n += 16) {
-        uint32_t* run = base + (n / 16) * b_chunks * (kTileElems / 2);
-        for (int64_t i = 0; i < 16; ++i) run[i] = even[n + i] | (static_cast<uint32_t>(odd[n + i]) << 16);
-      }
-    }
-    for (; n < n_pad; ++n) {
-      const uint32_t lo = (even != nullptr && n < n_len) ? even[n] : 0u;
-      const uint32_t hi = (odd != nullptr && n < n_len) ? odd[n] : 0u;
-      base[(n / 16) * b_chunks * (kTileElems / 2) + n % 16] = lo | (hi << 16);
+    for (int64_t n = 0; n < n_pad; n += 32) {
+      const __mmask32 live = first_lanes(n_len - n);
+      const __m512i e = even != nullptr ? _mm512_maskz_loadu_epi16(live, even + n) : _mm512_setzero_si512();
+      const __m512i o = odd != nullptr ? _mm512_maskz_loadu_epi16(live, odd + n) : _mm512_setzero_si512();
+      _mm512_storeu_si512(base + (n / 16) * b_chunks * kTileElems, _mm512_permutex2var_epi16(e, low, o));
+      if (n + 16 < n_pad)
+        _mm512_storeu_si512(base + (n / 16 + 1) * b_chunks * kTileElems, _mm512_permutex2var_epi16(e, high, o));
     }
   }
 }

@@ -56,11 +56,14 @@ struct Bf16Forward {
   static void thread_end() { Product::thread_end(); }
 
   // Packs key block kb of one kv head (Product::pack_key_block) and screens its values for NaN and infinity.
+  // A sequence's last block is packed up to its last key, rounded up to 32: tile cuts each block there, so a
+  // short sequence does not pay for a whole block of padding.
   static void pack(const Problem& p, const RowPtr& krows, const RowPtr& vrows, int64_t seqlen_k, int64_t kb,
                    const Scratch& ws, int tid) {
     const auto& t = ws.threads[tid];
     Word* kblock = t.kpack + kb * ws.dims.k_block();
     Word* vblock = t.vpack + kb * ws.dims.v_block();
+    const int64_t keys = smin(kBk, round_up(seqlen_k - kb * kBk, 32));
     // Rows are asked for in order, so each request also prefetches the row kPrefetchRows ahead.
     const auto key_row = [&](const RowPtr& rows, int64_t bytes) {
       return [&, rows, bytes](int64_t jj) {
@@ -69,10 +72,10 @@ struct Bf16Forward {
         return j < seqlen_k ? reinterpret_cast<const uint16_t*>(rows.row(j)) : nullptr;
       };
     };
-    Product::pack_key_block(ws.dims, p, kblock, vblock, key_row(krows, p.headdim * 2), key_row(vrows, p.headdim_v * 2));
-    constexpr int64_t kBf16PerWord = sizeof(Word) / sizeof(uint16_t);
-    screen_value_block(p, vrows, seqlen_k, kb * kBk, kBk, vblock, FLARE_DTYPE_BF16, ws.dims.v_block() * kBf16PerWord,
-                       t.v_flags + kb * kBk);
+    Product::pack_key_block(ws.dims, p, keys, kblock, vblock, key_row(krows, p.headdim * 2),
+                            key_row(vrows, p.headdim_v * 2));
+    screen_value_pieces(p, vrows, seqlen_k, kb * kBk, kBk, FLARE_DTYPE_BF16, t.v_flags + kb * kBk,
+                        [&](auto f) { Product::value_pieces(ws.dims, keys, vblock, f); });
   }
 
   // One query tile [i0, i0 + kBq) of head h against every visible key block.

@@ -46,13 +46,20 @@ struct AmxProduct {
     for (int64_t c = 0; c < dm.dpad; ++c) dst[c] = (src && c < p.headdim) ? src[c] : uint16_t(0);
   }
 
-  // K of one block as the B operand of S = Q Kᵀ (k = head dim, n = key), V as that of O += P V (k = key,
-  // n = column); key_row(jj) / value_row(jj) give key jj's row, nullptr past the sequence.
+  // The first `keys` (a multiple of 32) keys of one block: K as the B operand of S = Q Kᵀ (k = head dim,
+  // n = key), V as that of O += P V (k = key, n = column); key_row(jj) / value_row(jj) give key jj's row,
+  // nullptr past the sequence.
   template <class RowFn>
-  static void pack_key_block(const ForwardDims& dm, const Problem& p, Word* k, Word* v, RowFn key_row,
-                             RowFn value_row) {
-    pack_b_k_along_rows(k, dm.dpad / 32, 0, dm.kBk, p.headdim, key_row);
-    pack_b_n_along_rows(v, dm.kBk / 32, 0, dm.kBk, p.headdim_v, dm.dvpad, value_row);
+  static void pack_key_block(const ForwardDims& dm, const Problem& p, int64_t keys, Word* k, Word* v,
+                             RowFn key_row, RowFn value_row) {
+    pack_b_k_along_rows(k, dm.dpad / 32, 0, keys, p.headdim, key_row);
+    pack_b_n_along_rows(v, dm.kBk / 32, 0, keys, p.headdim_v, dm.dvpad, value_row);
+  }
+  // Calls f(start, count) for each run of bf16 that the first `keys` keys of a V pack occupy: their k
+  // chunks in every 16-column group.
+  template <class F>
+  static void value_pieces(const ForwardDims& dm, int64_t keys, Word* v, F f) {
+    for (int64_t g = 0; g < dm.dvpad / 16; ++g) f(v + g * (dm.kBk / 32) * kTileElems, keys / 32 * kTileElems);
   }
 
   // S (rows x cols, ld lds) = Q Kᵀ against the block's first cols keys (rows, cols multiples of 32).

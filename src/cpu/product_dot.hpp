@@ -57,13 +57,18 @@ struct DotProduct {
     copy_row_pairs(dst, src, p.headdim, dm.dpairs);
   }
 
-  // K of one block as pair rows along the head dimension, V as pair rows along keys; key_row(jj) /
-  // value_row(jj) give key jj's row, nullptr past the sequence.
+  // The first `keys` (a multiple of 32) keys of one block: K as pair rows along the head dimension, V as
+  // pair rows along keys; key_row(jj) / value_row(jj) give key jj's row, nullptr past the sequence.
   template <class RowFn>
-  static void pack_key_block(const ForwardDims& dm, const Problem& p, Word* k, Word* v, RowFn key_row,
-                             RowFn value_row) {
-    pack_pairs_along_rows(k, dm.ldk, dm.kBk, p.headdim, dm.dpairs, key_row);
-    pack_pairs_across_rows(v, dm.ldv, dm.kBk, p.headdim_v, dm.dvpad, value_row);
+  static void pack_key_block(const ForwardDims& dm, const Problem& p, int64_t keys, Word* k, Word* v,
+                             RowFn key_row, RowFn value_row) {
+    pack_pairs_along_rows(k, dm.ldk, keys, p.headdim, dm.dpairs, key_row);
+    pack_pairs_across_rows(v, dm.ldv, keys, p.headdim_v, dm.dvpad, value_row);
+  }
+  // Calls f(start, count) for the run of bf16 that the first `keys` keys of a V pack occupy: their pair rows.
+  template <class F>
+  static void value_pieces(const ForwardDims& dm, int64_t keys, Word* v, F f) {
+    f(v, keys / 2 * dm.ldv * 2);
   }
 
   // S (rows x cols, ld lds) = Q Kᵀ against the block's first cols keys.

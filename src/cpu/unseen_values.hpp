@@ -71,12 +71,6 @@ inline void screen_value_pieces(const Problem& p, const RowPtr& vrows, int64_t s
     flags[jj] = any_nonfinite(vrows.row(j0 + jj), p.dtype, p.headdim_v);
   pieces([&](void* x, int64_t n) { zero_nonfinite(x, packed_dtype, n); });
 }
-// The same for a pack whose values are one run: `packed` holds `count` elements.
-inline void screen_value_block(const Problem& p, const RowPtr& vrows, int64_t seqlen_k, int64_t j0, int64_t nkeys,
-                               void* packed, flare_dtype packed_dtype, int64_t count, uint8_t* flags) {
-  screen_value_pieces(p, vrows, seqlen_k, j0, nkeys, packed_dtype, flags, [&](auto f) { f(packed, count); });
-}
-
 // Flags the keys [j0, j0 + nkeys) whose K row holds a NaN or infinity (flags[jj] for key j0 + jj; keys past
 // seqlen_k are never flagged), for an engine that zeroes those values in its pack of K as the B operand of
 // dQ += dS K. Returns whether any key was flagged.
