@@ -17,8 +17,31 @@ from attention_reference import AttnOptions, check_close, check_lse, dense_atten
 DEVICE = os.environ.get("FLARE_TEST_DEVICE", "cuda")
 SMALL = os.environ.get("FLARE_TEST_SIZE", "full" if DEVICE == "cuda" else "small") == "small"
 
-# The CUDA forward path the suite forces (conftest.py's --arch-path sets it): auto, sm80 or sm90.
-ARCH_PATH = os.environ.get("FLARE_CUDA_ARCH_PATH", "auto")
+
+
+def arch_path():
+    """The CUDA forward path forced now (conftest.py's --arch-path sets it; a test may change it with monkeypatch):
+    auto, sm80 or sm90. Read at each call, as the library reads it at each forward."""
+    return os.environ.get("FLARE_CUDA_ARCH_PATH", "auto")
+
+
+def sm90_forced(device=None):
+    """Whether the sm90 forward is forced on a CUDA run: then it runs what it claims and refuses the rest."""
+    return (device or DEVICE) == "cuda" and arch_path() == "sm90"
+
+
+def expect_sm90_refusal(run, context=""):
+    """With the sm90 path forced, a call it does not claim must be refused with a message that names the sm90 path
+    (or, for a head dim no path takes, the head dim)."""
+    try:
+        run()
+    except NotImplementedError as e:
+        message = str(e)
+        assert "sm90" in message or "head dim" in message or "headdim" in message, \
+            f"refused, but the message names neither the sm90 path nor the head dim: {e} {context}"
+        return
+    raise AssertionError(f"the sm90 path was forced and does not claim this call, yet it ran {context}")
+
 # What the sm90 forward claims (src/cuda/heuristics.cpp's rule, stated here independently): fp16/bf16, dense,
 # equal head dims of these sizes. Everything else must be refused when sm90 is forced.
 SM90_HEADDIMS = (64, 96, 128, 192, 256)
@@ -206,16 +229,12 @@ def sm90_claims(case):
 
 def check_case(case, backward=True, device=None):
     """The whole check of one case; raises AssertionError naming the case on any mismatch. With the sm90 path
-    forced (ARCH_PATH) and a case it does not claim, checks instead that the forward is refused, naming sm90."""
+    forced (arch_path) and a case it does not claim, checks instead that the forward is refused
+    (expect_sm90_refusal) and returns (inputs, None)."""
     inputs = make_inputs(case, device)
-    if (device or DEVICE) == "cuda" and ARCH_PATH == "sm90" and not sm90_claims(case):
-        try:
-            run_flare(case, inputs, backward=False)
-        except NotImplementedError as e:
-            assert "sm90" in str(e), f"refused, but the message does not name the sm90 path: {e} [{case.describe()}]"
-            return inputs, None
-        raise AssertionError(f"the sm90 path was forced and does not claim this case, yet it ran "
-                             f"[{case.describe()}]")
+    if sm90_forced(device) and not sm90_claims(case):
+        expect_sm90_refusal(lambda: run_flare(case, inputs, backward=False), f"[{case.describe()}]")
+        return inputs, None
     out, lse, grads = run_flare(case, inputs, backward)
     context = f"[{case.describe()}]"
     expected_out = (inputs["dout"].shape)

@@ -118,7 +118,7 @@ def main():
               f"{'off' if os.environ.get('PYTORCH_NO_CUDA_MEMORY_CACHING') == '1' else 'on'}", flush=True)
     require_cuda_backend()
     torch.manual_seed(int(os.environ.get("FLARE_TEST_SEED", "1234")))
-    failed = []
+    failed, not_built = [], []
     for name, case in cases.items():
         start = time.perf_counter()
         if name.startswith("small-"):
@@ -133,12 +133,23 @@ def main():
             if args.device == "cuda":
                 torch.cuda.synchronize()
             status = "ok"
+        except NotImplementedError as e:
+            # The small-shared-memory backward kernels are built for sm_8x only unless FLARE_CUDA_ALL_CONFIGS=ON:
+            # on a larger GPU the library refuses them with a message naming that option, which is the answer.
+            if not (name.startswith("small-") and "FLARE_CUDA_ALL_CONFIGS" in str(e)):
+                failed.append(name)
+                status = "FAILED\n" + traceback.format_exc()
+            else:
+                not_built.append(name)
+                status = "not built for this GPU (FLARE_CUDA_ALL_CONFIGS=OFF); refused as documented"
         except Exception:  # report and go on: one run of the sanitizer should show every case
             failed.append(name)
             status = "FAILED\n" + traceback.format_exc()
         print(f"{name:36s} {time.perf_counter() - start:7.2f} s  {status}", flush=True)
-    print(f"\n{len(cases) - len(failed)} of {len(cases)} cases ok"
-          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    ran = len(cases) - len(not_built)
+    print(f"\n{ran - len(failed)} of {ran} cases ok"
+          + (f"; failed: {', '.join(failed)}" if failed else "")
+          + (f"; not built for this GPU: {', '.join(not_built)}" if not_built else ""))
     return 1 if failed else 0
 
 

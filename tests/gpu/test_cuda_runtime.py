@@ -78,8 +78,9 @@ def abi_fwd(case, inputs, out, lse):
     p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_k = tv(cu_q), tv(cu_k), tv(used)
     p.max_seqlen_q, p.max_seqlen_k = max_q, max_k
     p.attn, keep = ops._attn_options(inputs["q"], scale, causal, left, right, softcap, slopes)
-    ops._run(inputs["q"], lib.fwd_varlen if case.varlen else lib.fwd,
-             lambda p: lib.fwd_workspace_size(p, case.varlen), p)
+    entry = lib.fwd_varlen if case.varlen else lib.fwd
+    nbytes = ops._validate(inputs["q"], entry, lambda p: lib.fwd_workspace_size(p, case.varlen), p)
+    ops._run(inputs["q"], entry, nbytes, p)
     del keep
 
 
@@ -95,8 +96,9 @@ def abi_bwd(case, inputs, out, lse, dq, dk, dv):
     p.max_seqlen_q, p.max_seqlen_k = max_q, max_k
     p.deterministic = int(det)
     p.attn, keep = ops._attn_options(inputs["q"], scale, causal, left, right, softcap, slopes)
-    ops._run(inputs["q"], lib.bwd_varlen if case.varlen else lib.bwd,
-             lambda p: lib.bwd_workspace_size(p, case.varlen), p)
+    entry = lib.bwd_varlen if case.varlen else lib.bwd
+    nbytes = ops._validate(inputs["q"], entry, lambda p: lib.bwd_workspace_size(p, case.varlen), p)
+    ops._run(inputs["q"], entry, nbytes, p)
     del keep
 
 
