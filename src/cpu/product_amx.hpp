@@ -41,9 +41,13 @@ struct AmxProduct {
     return {round_up(p.headdim, 32), round_up(p.headdim_v, 32)};
   }
 
-  // One query row (nullptr: a padding row of zeros), zero-padded to dpad.
+  // One query row (nullptr: a padding row of zeros), zero-padded to dpad: 32 elements per masked load.
   static void load_query_row(const ForwardDims& dm, const Problem& p, Word* dst, const uint16_t* src) {
-    for (int64_t c = 0; c < dm.dpad; ++c) dst[c] = (src && c < p.headdim) ? src[c] : uint16_t(0);
+    for (int64_t c = 0; c < dm.dpad; c += 32) {
+      const __m512i x = src != nullptr ? _mm512_maskz_loadu_epi16(first_lanes(p.headdim - c), src + c)
+                                       : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + c, x);
+    }
   }
 
   // The first `keys` (a multiple of 32) keys of one block: K as the B operand of S = Q Kᵀ (k = head dim,
