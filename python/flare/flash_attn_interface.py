@@ -101,7 +101,7 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
     left, right = _window(window_size)
     args = (None, None, None, 0, 0, alibi_slopes, _scale(softmax_scale), bool(causal), left, right, float(softcap),
             bool(deterministic), str(arch_path), None, _sinks(s_aux))
-    out, lse = ops.fwd(q, k, v, *args, *dropout)
+    out, lse = ops.fwd_call(q, k, v, *args, *dropout)
     s_dmask = _s_dmask(q, k, args, dropout) if return_attn_probs and dropout[0] > 0 else None
     return out, lse, s_dmask
 
@@ -162,7 +162,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
         paged = block_table is not None
         _checks.rank(v, "v", 4 if paged else 3, ops._PAGED if paged else ops._VARLEN)
         _checks.output(out, "out", (*q.shape[:-1], v.shape[-1]), q)
-    result, lse = ops.fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+    result, lse = ops.fwd_call(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                           alibi_slopes, scale, bool(causal), left, right, float(softcap),
                           bool(deterministic), str(arch_path), block_table, _sinks(s_aux), *dropout)
     if out is not None:

@@ -332,6 +332,33 @@ def fwd(q: Tensor, k: Tensor, v: Tensor,
                      block_table, sinks, dropout_p, dropout_seed, dropout_offset)
 
 
+def _direct_call(tensors) -> bool:
+    """Whether a call on these tensors may skip torch's custom-op dispatch (fwd_call): plain tensors (no
+    subclass: FakeTensor, FunctionalTensor, DTensor, ... need the op) on the CPU or one CUDA device, none
+    recording a gradient, and no tracing (torch.compile), torch function mode, dispatch mode or functorch
+    transform active."""
+    first = tensors[0]
+    if first.device.type not in ("cpu", "cuda"):
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if type(t) is not Tensor or t.device != first.device or (grad and t.requires_grad):
+            return False
+    return not (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
+                or torch._C._len_torch_dispatch_stack() or torch._C._functorch.maybe_current_level() is not None)
+
+
+def fwd_call(q: Tensor, k: Tensor, v: Tensor, *options) -> Tuple[Tensor, Tensor]:
+    """flare::fwd (same arguments), or its computation called directly (fwd_eager) where the op would add only
+    host time: when no gradient is recorded and nothing traces or intercepts the call (_direct_call). Besides
+    tens of microseconds per call, that spares a process's first call torch's import of torch._dynamo (1-4 s),
+    which the kernels of every torch.library.custom_op pay on first use (they are wrapped to disable dynamo).
+    Both routes run the same checks, so errors are the same."""
+    if _direct_call((q, k, v) + tuple(t for t in options if isinstance(t, Tensor))):
+        return fwd_eager(q, k, v, *options)
+    return fwd(q, k, v, *options)
+
+
 @fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
       softmax_scale, causal, window_left, window_right, softcap, deterministic, arch_path="auto", block_table=None,

@@ -189,8 +189,8 @@ def test_paged_varlen_block_table_is_checked():
 def test_out_is_checked_before_the_work(monkeypatch):
     qv, kv, vv, cu = varlen()
     calls = []
-    real_fwd = ops.fwd
-    monkeypatch.setattr(ops, "fwd", lambda *args: calls.append(1) or real_fwd(*args))
+    real_fwd = ops.fwd_call
+    monkeypatch.setattr(ops, "fwd_call", lambda *args: calls.append(1) or real_fwd(*args))
     bad = {
         "shape": (torch.empty(2, 8, 2, 16), r"out has shape \(2, 8, 2, 16\) but the result has shape \(8, 2,"),
         "last dim": (torch.empty(8, 2, 15), "out has shape \\(8, 2, 15\\)"),

@@ -42,8 +42,8 @@ def test_vllm_paged_varlen_call_matches_dense(dtype, page, monkeypatch):
     dense = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 300, causal=True)
     kc, vc, table = _page(k, v, lens_k, page)
     seen = []
-    real_fwd = ops.fwd
-    monkeypatch.setattr(ops, "fwd", lambda q, k, *a: seen.append(k.shape) or real_fwd(q, k, *a))
+    real_fwd = ops.fwd_call
+    monkeypatch.setattr(ops, "fwd_call", lambda q, k, *a: seen.append(k.shape) or real_fwd(q, k, *a))
     out = torch.full_like(q, float("nan"))
     # vLLM's call (keywords, no cu_seqlens_k): the cache goes to the op as it is, rank 4.
     got = flash_attn_varlen_func(q=q, k=kc, v=vc, cu_seqlens_q=cu_q, max_seqlen_q=3,
@@ -158,3 +158,25 @@ def test_merge_attention_states_empty_parts_and_errors():
         flare.merge_attention_states(out_a, lse_a, out_b, lse_b[:, :, :1])
     with pytest.raises(flare.FlareArgumentError, match="must have rank 4"):
         flare.merge_attention_states(out_a[0, 0], lse_a, out_b, lse_b)
+
+
+def test_first_inference_call_skips_the_custom_op():
+    # A process's first call through a torch.library custom op imports torch._dynamo (its kernels are wrapped to
+    # disable dynamo): 1-4 s. Calls that record no gradient run flare's computation directly (ops.fwd_call), so
+    # a fresh process's first forward imports nothing of the sort; one that records a gradient takes the op.
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = (
+        "import sys, torch, flare\n"
+        "q = torch.randn(1, 33, 2, 16)\n"
+        "out = flare.flash_attn_func(q, q, q, causal=True)\n"
+        "print(int('torch._dynamo' in sys.modules))\n"
+        "g = torch.randn(1, 33, 2, 16, requires_grad=True)\n"
+        "flare.flash_attn_func(g, g, g).sum().backward()\n"
+        "print(int('torch._dynamo' in sys.modules), int(g.grad is not None))\n")
+    env = dict(__import__("os").environ, PYTHONPATH=str(Path(flare.__file__).resolve().parents[1]))
+    lines = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                           check=True).stdout.split("\n")
+    assert lines[0] == "0", "the first no-grad forward went through the custom op (it imported torch._dynamo)"
+    assert lines[1] == "1 1", f"the forward that records a gradient should take the op, with autograd: {lines[1]}"
