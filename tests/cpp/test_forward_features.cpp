@@ -190,6 +190,35 @@ TEST(ForwardFeatures, EverythingAtOnce) {
     }
 }
 
+TEST(ForwardFeatures, FewKeys) {
+  // Calls whose sequences have at most 8 keys take the row-at-a-time forward (cpu/few_keys.hpp); 9 keys take
+  // the tile engines. Every option on each side of that line, dense and varlen (empty sequences included).
+  Rng rng;
+  for (flare_dtype dtype : kAllDtypes)
+    for (int64_t sk : {1, 2, 3, 8, 9})
+      for (int64_t sq : {1, 7, 239}) {
+        const int64_t hk = rng.integer(1, 2);
+        AttnCase c = dense_case(dtype, rng.integer(1, 3), sq, sk, hk * rng.integer(1, 3), hk, 8 * rng.integer(1, 12),
+                                8 * rng.integer(1, 12));
+        c.causal = rng.coin();
+        if (rng.coin()) c.window_left = static_cast<int32_t>(rng.integer(0, 4));
+        if (!c.causal && rng.coin()) c.window_right = static_cast<int32_t>(rng.integer(0, 4));
+        if (rng.coin()) c.softcap = static_cast<float>(rng.uniform(1.0, 20.0));
+        if (rng.coin()) c.softmax_scale = static_cast<float>(rng.uniform(0.05, 0.5));
+        c.alibi = static_cast<AlibiMode>(rng.integer(0, 2));
+        c.layout = rng.coin() ? Layout::kScattered : Layout::kContiguous;
+        c.sinks = rng.coin();
+        c.with_lse = rng.integer(0, 3) != 0;
+        check_forward(c, rng);
+      }
+  for (flare_dtype dtype : {FLARE_DTYPE_F32, FLARE_DTYPE_BF16, FLARE_DTYPE_F16}) {
+    AttnCase c = varlen_case(dtype, {5, 0, 300, 1, 9}, {3, 4, 8, 0, 1}, 4, 2, 40, 24);
+    c.causal = true;
+    c.sinks = true;
+    check_forward(c, rng);
+  }
+}
+
 TEST(ForwardFeatures, RandomCombinations) {
   // A random draw over every option; the printed seed replays a failure.
   Rng rng;

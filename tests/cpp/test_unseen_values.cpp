@@ -82,13 +82,13 @@ double tolerance(flare_dtype dtype) { return dtype == FLARE_DTYPE_F32 ? 2e-5 : 2
 // Dense forward, one sequence of 300 queries and keys (two key blocks of every engine), 2 query heads on one
 // kv head, head dim `dim`: key `bad` holds `v_value` in V and `k_value` in K.
 void dense_case(flare_dtype dtype, int32_t causal, int32_t window_left, int64_t bad, double v_value, double k_value,
-                int64_t dim = 32) {
+                int64_t dim = 32, int64_t nq = 300, int64_t nk = 300) {
   SCOPED_TRACE(std::string(dtype == FLARE_DTYPE_F32 ? "f32" : "bf16") + " causal " + std::to_string(causal) +
                " window_left " + std::to_string(window_left) + " bad key " + std::to_string(bad) + " dim " +
-               std::to_string(dim));
-  const int64_t n = 300, heads = 2;
-  Tensor q(dtype, {1, n, heads, dim}, 1), k(dtype, {1, n, 1, dim}, 2), v(dtype, {1, n, 1, dim}, 3),
-      out(dtype, {1, n, heads, dim}, 4);
+               std::to_string(dim) + " seqlens " + std::to_string(nq) + "x" + std::to_string(nk));
+  const int64_t heads = 2;
+  Tensor q(dtype, {1, nq, heads, dim}, 1), k(dtype, {1, nk, 1, dim}, 2), v(dtype, {1, nk, 1, dim}, 3),
+      out(dtype, {1, nq, heads, dim}, 4);
   fill_row(v, bad, dim, v_value);
   fill_row(k, bad, dim, k_value);
   flare_fwd_params p;
@@ -104,10 +104,22 @@ void dense_case(flare_dtype dtype, int32_t causal, int32_t window_left, int64_t 
   opts.causal = causal;
   opts.window_left = window_left;
   expect_matches_reference(
-      {heads, 1, dim, dim}, opts, n, n, [&](int64_t i, int64_t h, int64_t c) { return get(q, (i * heads + h) * dim + c); },
+      {heads, 1, dim, dim}, opts, nq, nk, [&](int64_t i, int64_t h, int64_t c) { return get(q, (i * heads + h) * dim + c); },
       [&](int64_t j, int64_t, int64_t c) { return get(k, j * dim + c); },
       [&](int64_t j, int64_t, int64_t c) { return get(v, j * dim + c); },
       [&](int64_t i, int64_t h, int64_t c) { return get(out, (i * heads + h) * dim + c); }, tolerance(dtype));
+}
+
+TEST(UnseenValues, FewKeys) {
+  // Sequences of at most 8 keys take the row-at-a-time forward (cpu/few_keys.hpp): its rows sum only the keys
+  // they see. 40 queries against 5 keys, causal (bottom-right): rows 0..34 see no key, row 35 + j sees keys
+  // 0..j; with a window of 1 row 39 sees keys 3 and 4 only.
+  for (flare_dtype dtype : {FLARE_DTYPE_F32, FLARE_DTYPE_BF16}) {
+    dense_case(dtype, 1, -1, 2, kNaN, kInf, 32, 40, 5);   // rows 35, 36 cannot see key 2
+    dense_case(dtype, 1, -1, 4, kInf, kNaN, 40, 40, 5);   // only row 39 sees key 4 (odd head dim)
+    dense_case(dtype, 1, 1, 1, kNaN, kNaN, 32, 40, 5);    // rows 37.. have slid past key 1
+    dense_case(dtype, 1, -1, 1, -kInf, 1.0, 32, 17, 2);   // two keys: row 15 sees key 0, row 16 both
+  }
 }
 
 TEST(UnseenValues, CausalMaskedKeys) {
