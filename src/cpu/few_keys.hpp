@@ -3,7 +3,10 @@
 // memory slots look the same). The tile engines would pad each row's keys to a block of 16-32 columns and
 // pay per tile for the products, the online softmax's passes and its reductions, for one to eight real
 // keys; here each query row takes its scores against the keys it sees, their softmax and the weighted sum
-// of their values directly, in fp32, with the kv head's few K and V rows converted once per task.
+// of their values directly, in fp32, with the kv head's few K and V rows converted once per task. The
+// backward likewise: per (sequence, kv head) group, its keys' dK and dV accumulate over every row of its
+// query heads in order (so the result does not depend on the thread count), and each row's dQ is written as
+// it is done.
 //
 // Semantics are the tile engines': scale, softcap, ALiBi and the mask shape the scores (score_tile.hpp's
 // order), a sink is folded into out and lse (policy::fold_sink), a row that sees no key gets out = 0 and
@@ -16,19 +19,22 @@
 #include <cmath>
 
 #include "cpu/arena.hpp"
+#include "cpu/cpu_backend.hpp"
 #include "cpu/score_tile.hpp"
 #include "cpu/sequences.hpp"
 #include "cpu/simd.hpp"
+#include "cpu/sinks.hpp"
 
 namespace flare::cpu::FLARE_ISA {
 
 inline constexpr int64_t kFewKeys = 8;
 
-// Whether a forward call takes this path: every sequence has at most kFewKeys keys, no dropout, and a
-// compute type of fp32 (fp64 keeps the FMA engine in double).
-inline bool few_keys_applies(const Problem& p) {
-  return p.pass == Pass::kForward && p.dropout_p == 0.0f && p.dtype != FLARE_DTYPE_F64 &&
-         longest_sequence(p).keys <= kFewKeys;
+// Whether a forward or backward call takes this path: every sequence has at most kFewKeys keys, no
+// dropout, and a compute type of fp32 (fp64 keeps the FMA engine in double). The backward runs one task
+// per (sequence, kv head) group, so it needs as many groups as threads.
+inline bool few_keys_applies(const Problem& p, int nt) {
+  if (p.dropout_p != 0.0f || p.dtype == FLARE_DTYPE_F64 || longest_sequence(p).keys > kFewKeys) return false;
+  return p.pass == Pass::kForward || (p.pass == Pass::kBackward && p.batch * p.nheads_k >= nt);
 }
 
 struct FewKeysForward {
@@ -172,6 +178,160 @@ inline void few_keys_forward(const Problem& p, void* scratch, int nt) {
         if (i0 >= seq.seqlen_q) continue;
         FewKeysForward::rows(p, seq, h, i0, smin(seq.seqlen_q, i0 + R), ws, ws.threads[omp_get_thread_num()]);
       }
+}
+
+// The backward (FlashAttention 2's, P recomputed from the saved lse): per row i of head h and key j it sees,
+//   s = softcap(scale q.k_j) + alibi,  P = exp(s - lse),  dP = dO.v_j,  dS = P (dP - D) (* (1 - tanh^2)),
+//   dQ += scale dS k_j,  dK_j += scale dS q,  dV_j += P dO,  with D = rowsum(dO * O).
+struct FewKeysBackward {
+  struct Scratch {
+    int64_t dp = 0, dvp = 0;
+    struct PerThread {
+      float *k, *v;      // the group's keys (kFewKeys x dp) and values (kFewKeys x dvp)
+      float *dk, *dv;    // their gradients
+      float *q, *dout;   // one row of Q (scaled) and dO
+      float *o, *dq;     // one row of O and of dQ
+    };
+    PerThread* threads = nullptr;
+
+    void layout(Arena& a, const Problem& p, int nt) {
+      constexpr int W = Simd<float>::W;
+      dp = round_up(p.headdim, W);
+      dvp = round_up(p.headdim_v, W);
+      threads = a.take<PerThread>(nt);
+      for (int t = 0; t < nt; ++t) {
+        PerThread pt{a.take<float>(kFewKeys * dp), a.take<float>(kFewKeys * dvp), a.take<float>(kFewKeys * dp),
+                     a.take<float>(kFewKeys * dvp), a.take<float>(dp), a.take<float>(dvp), a.take<float>(dvp),
+                     a.take<float>(dp)};
+        if (threads) threads[t] = pt;
+      }
+    }
+  };
+
+  // Group (seq, hk): every row of its query heads, then its dK and dV rows.
+  static void group(const Problem& p, const Sequence& seq, int64_t hk, const Scratch& ws, const Scratch::PerThread& t) {
+    const int64_t d = p.headdim, dv = p.headdim_v, dp = ws.dp, dvp = ws.dvp;
+    const float scale = static_cast<float>(p.score.scale);
+    const RowPtr krows = key_rows(p, p.k, seq, hk), vrows = key_rows(p, p.v, seq, hk);
+    for (int64_t j = 0; j < seq.seqlen_k; ++j) {
+      load_row<float>(krows.row(j), p.dtype, t.k + j * dp, d, 1.0f);
+      load_row<float>(vrows.row(j), p.dtype, t.v + j * dvp, dv, 1.0f);
+      for (int64_t c = d; c < dp; ++c) t.k[j * dp + c] = 0.0f;
+      for (int64_t c = dv; c < dvp; ++c) t.v[j * dvp + c] = 0.0f;
+    }
+    for (int64_t x = 0; x < kFewKeys * dp; ++x) t.dk[x] = 0.0f;
+    for (int64_t x = 0; x < kFewKeys * dvp; ++x) t.dv[x] = 0.0f;
+    for (int64_t c = d; c < dp; ++c) t.q[c] = 0.0f;
+    for (int64_t c = dv; c < dvp; ++c) t.dout[c] = t.o[c] = 0.0f;
+    const policy::WindowMask mask = seq.mask(p);
+    const int64_t group = p.nheads / p.nheads_k;
+    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+      const RowPtr qrows = query_rows(p, p.q, seq, h), dorows = query_rows(p, p.dout, seq, h),
+                   orows = query_rows(p, p.out, seq, h), dqrows = query_rows(p, p.dq, seq, h);
+      const float* lse = lse_row(p, seq, h);
+      const ScoreShape shape = score_shape(p, seq, h);
+      for (int64_t i = 0; i < seq.seqlen_q; ++i) {
+        const policy::KeyRange keys = mask.keys_of(i);
+        const int64_t first = smax<int64_t>(keys.first, 0), last = smin<int64_t>(keys.last, seq.seqlen_k - 1);
+        for (int64_t c = 0; c < dp; ++c) t.dq[c] = 0.0f;
+        if (first <= last && lse[i] != kNegInf) {
+          load_row<float>(qrows.row(i), p.dtype, t.q, d, scale);
+          load_row<float>(dorows.row(i), p.dtype, t.dout, dv, 1.0f);
+          switch (last - first + 1) {
+            case 1: row<1>(p, mask, shape, orows, lse[i], i, first, ws, t); break;
+            case 2: row<2>(p, mask, shape, orows, lse[i], i, first, ws, t); break;
+            case 3: row<3>(p, mask, shape, orows, lse[i], i, first, ws, t); break;
+            case 4: row<4>(p, mask, shape, orows, lse[i], i, first, ws, t); break;
+            case 5: row<5>(p, mask, shape, orows, lse[i], i, first, ws, t); break;
+            case 6: row<6>(p, mask, shape, orows, lse[i], i, first, ws, t); break;
+            case 7: row<7>(p, mask, shape, orows, lse[i], i, first, ws, t); break;
+            default: row<8>(p, mask, shape, orows, lse[i], i, first, ws, t); break;
+          }
+        }
+        store_row<float>(t.dq, scale, dqrows.row(i), p.dtype, d);
+      }
+    }
+    const RowPtr dkrows = key_rows(p, p.dk, seq, hk), dvrows = key_rows(p, p.dv, seq, hk);
+    static constexpr float kZeros[kMaxHeaddim] = {};  // keys past seqlen_k (varlen padding) get zeros
+    for (int64_t j = 0; j < seq.stored_k; ++j) {
+      const bool used = j < seq.seqlen_k;
+      store_row<float>(used ? t.dk + j * dp : kZeros, 1.0f, dkrows.row(j), p.dtype, d);
+      store_row<float>(used ? t.dv + j * dvp : kZeros, 1.0f, dvrows.row(j), p.dtype, dv);
+    }
+  }
+
+  // Row i (t.q scaled, t.dout) against its C visible keys from `first`: adds to t.dq (unscaled) and the keys'
+  // dK and dV.
+  template <int C>
+  static void row(const Problem& p, const policy::WindowMask& mask, const ScoreShape& shape, const RowPtr& orows,
+                  float lse, int64_t i, int64_t first, const Scratch& ws, const Scratch::PerThread& t) {
+    using V = vec_t<float>;
+    constexpr int W = Simd<float>::W;
+    const int64_t dp = ws.dp, dvp = ws.dvp, dv = p.headdim_v;
+    const float* k = t.k + first * dp;
+    const float* v = t.v + first * dvp;
+    float* dk = t.dk + first * dp;
+    float* dvv = t.dv + first * dvp;
+    V sacc[C] = {}, pacc[C] = {};
+    for (int64_t c = 0; c < dp; c += W) {
+      const V q = vload(t.q + c);
+      for (int j = 0; j < C; ++j) sacc[j] += q * vload(k + j * dp + c);
+    }
+    // D = rowsum(dO * O), O read back from the forward's output.
+    float* o = t.o;
+    load_row<float>(orows.row(i), p.dtype, o, dv, 1.0f);
+    V dacc{};
+    for (int64_t c = 0; c < dvp; c += W) {
+      const V g = vload(t.dout + c);
+      dacc += g * vload(o + c);
+      for (int j = 0; j < C; ++j) pacc[j] += g * vload(v + j * dvp + c);
+    }
+    const float delta = hsum(dacc);
+    float pr[C], ds[C];
+    for (int j = 0; j < C; ++j) {
+      float x = hsum(sacc[j]), slope = 1.0f;
+      if (shape.softcap > 0) {
+        const float th = std::tanh(x / shape.softcap);
+        x = shape.softcap * th;
+        slope = 1.0f - th * th;
+      }
+      if (shape.alibi) x += policy::alibi_bias(shape.slope, mask.diagonal(i), first + j);
+      pr[j] = std::exp(x - lse);
+      ds[j] = pr[j] * (hsum(pacc[j]) - delta) * slope;
+    }
+    for (int64_t c = 0; c < dp; c += W) {
+      const V q = vload(t.q + c);
+      V g{};
+      for (int j = 0; j < C; ++j) {
+        g += ds[j] * vload(k + j * dp + c);
+        vstore(dk + j * dp + c, vload(dk + j * dp + c) + ds[j] * q);
+      }
+      vstore(t.dq + c, g);
+    }
+    for (int64_t c = 0; c < dvp; c += W) {
+      const V g = vload(t.dout + c);
+      for (int j = 0; j < C; ++j) vstore(dvv + j * dvp + c, vload(dvv + j * dvp + c) + pr[j] * g);
+    }
+  }
+};
+
+inline size_t few_keys_backward_scratch(const Problem& p, int nt) {
+  Arena a;
+  FewKeysBackward::Scratch ws;
+  ws.layout(a, p, nt);
+  return a.used();
+}
+
+// One task per (sequence, kv head) group, handed out dynamically; then the sinks' gradient (sinks.hpp).
+inline void few_keys_backward(const Problem& p, void* scratch, int nt) {
+  Arena arena(scratch);
+  FewKeysBackward::Scratch ws;
+  ws.layout(arena, p, nt);
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) collapse(2)
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t hk = 0; hk < p.nheads_k; ++hk)
+      FewKeysBackward::group(p, sequence_of(p, b), hk, ws, ws.threads[omp_get_thread_num()]);
+  sink_gradient(p, nt);
 }
 
 }  // namespace flare::cpu::FLARE_ISA

@@ -85,6 +85,38 @@ TEST(BackwardFeatures, CausalAndRowsWithoutKeys) {
     }
 }
 
+TEST(BackwardFeatures, FewKeys) {
+  // Calls whose sequences have at most 8 keys, with at least as many (sequence, kv head) groups as threads,
+  // take the row-at-a-time backward (cpu/few_keys.hpp); 9 keys, or fewer groups than threads, the tile
+  // engines. Every option on each side, dense and varlen (empty sequences and seqused_k included).
+  Rng rng;
+  for (flare_dtype dtype : {FLARE_DTYPE_F32, FLARE_DTYPE_BF16, FLARE_DTYPE_F16})
+    for (int64_t sk : {1, 3, 8, 9})
+      for (int64_t sq : {1, 7, 61}) {
+        const int64_t hk = rng.integer(1, 2);
+        AttnCase c = dense_case(dtype, rng.integer(1, 3), sq, sk, hk * rng.integer(1, 3), hk, 8 * rng.integer(1, 12),
+                                8 * rng.integer(1, 12));
+        c.causal = rng.coin();
+        if (rng.coin()) c.window_left = static_cast<int32_t>(rng.integer(0, 4));
+        if (!c.causal && rng.coin()) c.window_right = static_cast<int32_t>(rng.integer(0, 4));
+        if (rng.coin()) c.softcap = static_cast<float>(rng.uniform(1.0, 20.0));
+        if (rng.coin()) c.softmax_scale = static_cast<float>(rng.uniform(0.05, 0.5));
+        c.alibi = static_cast<AlibiMode>(rng.integer(0, 2));
+        c.layout = rng.coin() ? Layout::kScattered : Layout::kContiguous;
+        c.sinks = rng.coin();
+        c.num_threads = static_cast<int32_t>(rng.integer(1, 3));
+        check_backward(c, rng, kFp32Tol);
+      }
+  for (flare_dtype dtype : kBackwardDtypes) {
+    AttnCase c = varlen_case(dtype, {5, 0, 300, 1, 9}, {3, 4, 8, 0, 1}, 4, 2, 40, 24);
+    c.seqused_k = {2, 4, 5, 0, 1};
+    c.causal = true;
+    c.sinks = true;
+    c.num_threads = 2;
+    check_backward(c, rng, kFp32Tol);
+  }
+}
+
 TEST(BackwardFeatures, SlidingWindow) {
   Rng rng;
   const std::vector<std::pair<int32_t, int32_t>> windows = {{0, 0}, {5, 0}, {-1, 3}, {9, -1}, {4, 7}, {2, 1}};
