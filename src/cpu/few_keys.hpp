@@ -17,6 +17,7 @@
 #include <omp.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "cpu/arena.hpp"
 #include "cpu/cpu_backend.hpp"
@@ -35,6 +36,23 @@ inline constexpr int64_t kFewKeys = 8;
 inline bool few_keys_applies(const Problem& p, int nt) {
   if (p.dropout_p != 0.0f || p.dtype == FLARE_DTYPE_F64 || longest_sequence(p).keys > kFewKeys) return false;
   return p.pass == Pass::kForward || (p.pass == Pass::kBackward && p.batch * p.nheads_k >= nt);
+}
+
+// Calls f(std::integral_constant<int, n>) for n visible keys (1 <= n <= kFewKeys): one instantiation of a
+// row per count keeps its accumulators in registers.
+template <class F>
+inline void with_key_count(int64_t n, F f) {
+  static_assert(kFewKeys == 8, "one case per count");
+  switch (n) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
 }
 
 struct FewKeysForward {
@@ -90,17 +108,9 @@ struct FewKeysForward {
       float m = kNegInf, l = 0.0f;
       if (first <= last) {
         load_row<float>(qrows.row(i), p.dtype, t.q, d, 1.0f);
-        // One instantiation per count of visible keys: its accumulators stay in registers.
-        switch (last - first + 1) {
-          case 1: row<1>(p, mask, shape, i, first, ws, t, m, l); break;
-          case 2: row<2>(p, mask, shape, i, first, ws, t, m, l); break;
-          case 3: row<3>(p, mask, shape, i, first, ws, t, m, l); break;
-          case 4: row<4>(p, mask, shape, i, first, ws, t, m, l); break;
-          case 5: row<5>(p, mask, shape, i, first, ws, t, m, l); break;
-          case 6: row<6>(p, mask, shape, i, first, ws, t, m, l); break;
-          case 7: row<7>(p, mask, shape, i, first, ws, t, m, l); break;
-          default: row<8>(p, mask, shape, i, first, ws, t, m, l); break;
-        }
+        with_key_count(last - first + 1, [&](auto count) {
+          row<decltype(count)::value>(p, mask, shape, i, first, ws, t, m, l);
+        });
       }
       const bool empty = l == 0.0f;
       if (empty)
@@ -237,16 +247,9 @@ struct FewKeysBackward {
         if (first <= last && lse[i] != kNegInf) {
           load_row<float>(qrows.row(i), p.dtype, t.q, d, scale);
           load_row<float>(dorows.row(i), p.dtype, t.dout, dv, 1.0f);
-          switch (last - first + 1) {
-            case 1: row<1>(p, mask, shape, orows, lse[i], i, first, ws, t); break;
-            case 2: row<2>(p, mask, shape, orows, lse[i], i, first, ws, t); break;
-            case 3: row<3>(p, mask, shape, orows, lse[i], i, first, ws, t); break;
-            case 4: row<4>(p, mask, shape, orows, lse[i], i, first, ws, t); break;
-            case 5: row<5>(p, mask, shape, orows, lse[i], i, first, ws, t); break;
-            case 6: row<6>(p, mask, shape, orows, lse[i], i, first, ws, t); break;
-            case 7: row<7>(p, mask, shape, orows, lse[i], i, first, ws, t); break;
-            default: row<8>(p, mask, shape, orows, lse[i], i, first, ws, t); break;
-          }
+          with_key_count(last - first + 1, [&](auto count) {
+            row<decltype(count)::value>(p, mask, shape, orows, lse[i], i, first, ws, t);
+          });
         }
         store_row<float>(t.dq, scale, dqrows.row(i), p.dtype, d);
       }

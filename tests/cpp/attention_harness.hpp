@@ -98,6 +98,18 @@ inline AttnCase varlen_case(flare_dtype dtype, std::vector<int64_t> seqlens_q, s
   return c;
 }
 
+// Draws a case's score options at random: causal, windows of up to max_window keys on each side, softcap, an
+// explicit scale, ALiBi (per head or per batch and head) and a scattered layout, each or not.
+inline void draw_score_options(AttnCase& c, Rng& rng, int64_t max_window) {
+  c.causal = rng.coin();
+  if (rng.coin()) c.window_left = static_cast<int32_t>(rng.integer(0, max_window));
+  if (!c.causal && rng.coin()) c.window_right = static_cast<int32_t>(rng.integer(0, max_window));
+  if (rng.coin()) c.softcap = static_cast<float>(rng.uniform(1.0, 20.0));
+  if (rng.coin()) c.softmax_scale = static_cast<float>(rng.uniform(0.05, 0.5));
+  c.alibi = static_cast<AlibiMode>(rng.integer(0, 2));
+  c.layout = rng.coin() ? Layout::kScattered : Layout::kContiguous;
+}
+
 // A varlen case with every feature drawn at random: up to max_batch sequences of 0..max_len queries and keys
 // (a quarter of them empty), seqused_k, GQA/MQA, causal, windows, softcap, ALiBi and scattered layouts.
 inline AttnCase random_varlen_case(Rng& rng, int64_t max_batch, int64_t max_len) {

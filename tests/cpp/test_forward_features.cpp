@@ -200,13 +200,7 @@ TEST(ForwardFeatures, FewKeys) {
         const int64_t hk = rng.integer(1, 2);
         AttnCase c = dense_case(dtype, rng.integer(1, 3), sq, sk, hk * rng.integer(1, 3), hk, 8 * rng.integer(1, 12),
                                 8 * rng.integer(1, 12));
-        c.causal = rng.coin();
-        if (rng.coin()) c.window_left = static_cast<int32_t>(rng.integer(0, 4));
-        if (!c.causal && rng.coin()) c.window_right = static_cast<int32_t>(rng.integer(0, 4));
-        if (rng.coin()) c.softcap = static_cast<float>(rng.uniform(1.0, 20.0));
-        if (rng.coin()) c.softmax_scale = static_cast<float>(rng.uniform(0.05, 0.5));
-        c.alibi = static_cast<AlibiMode>(rng.integer(0, 2));
-        c.layout = rng.coin() ? Layout::kScattered : Layout::kContiguous;
+        draw_score_options(c, rng, 4);
         c.sinks = rng.coin();
         c.with_lse = rng.integer(0, 3) != 0;
         check_forward(c, rng);
@@ -228,13 +222,7 @@ TEST(ForwardFeatures, RandomCombinations) {
     const int64_t hk = rng.integer(1, 2);
     AttnCase c = dense_case(dtypes[rng.integer(0, 3)], rng.integer(1, 3), rng.integer(1, 130), rng.integer(1, 130),
                             hk * rng.integer(1, 3), hk, headdims[rng.integer(0, 7)], headdims[rng.integer(0, 7)]);
-    c.causal = rng.coin();
-    if (rng.coin()) c.window_left = static_cast<int32_t>(rng.integer(0, 64));
-    if (!c.causal && rng.coin()) c.window_right = static_cast<int32_t>(rng.integer(0, 64));
-    if (rng.coin()) c.softcap = static_cast<float>(rng.uniform(1.0, 20.0));
-    if (rng.coin()) c.softmax_scale = static_cast<float>(rng.uniform(0.05, 0.5));
-    c.alibi = static_cast<AlibiMode>(rng.integer(0, 2));
-    c.layout = rng.coin() ? Layout::kScattered : Layout::kContiguous;
+    draw_score_options(c, rng, 64);
     c.with_lse = rng.integer(0, 3) != 0;
     check_forward(c, rng);
   }
