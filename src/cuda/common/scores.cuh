@@ -16,13 +16,12 @@
 
 namespace flare::cuda {
 
-// Dropout's factor of (query row i, key col j) of the call's (sequence, head) stream (b * nheads + h): the
-// params' dropout_scale where kept, 0 where dropped (flare.h's mapping; one Philox draw per element, of
-// which the element uses byte j % 16).
+// Dropout's keep decisions of the call's (sequence, head) stream (b * nheads + h): flare.h's mapping, one
+// Philox draw per (query i, group of 16 keys), of which key j uses byte j % 16.
 struct DropoutStream {
   philox::DropoutKey key;
   uint32_t stream, threshold;
-  float scale;
+  float scale;  // the kept elements' factor 1 / (1 - p)
 
   __device__ __forceinline__ DropoutStream(AttnParams const& p, int b, int h)
       : key{p.dropout_k0, p.dropout_k1, p.dropout_offset},
@@ -30,17 +29,25 @@ struct DropoutStream {
         threshold(p.dropout_threshold),
         scale(p.dropout_scale) {}
 
-  __device__ __forceinline__ float factor(int i, int j) const {
-    const philox::Words w = philox::dropout_words(key, stream, static_cast<uint32_t>(i), static_cast<uint32_t>(j) >> 4);
-    // dropout_byte selects its word (an index known only at run time would put the words in local memory).
-    return philox::dropout_byte(w, static_cast<uint32_t>(j) & 15u) >= threshold ? scale : 0.f;
+  // The draw that holds the keep bytes of query i's keys 16 * group .. 16 * group + 15.
+  __device__ __forceinline__ philox::Words draw(uint32_t i, uint32_t group) const {
+    return philox::dropout_words(key, stream, i, group);
+  }
+  // Whether key j is kept, from the draw of its group. (dropout_byte selects its word: an index known only
+  // at run time would put the words in local memory.)
+  __device__ __forceinline__ bool kept(philox::Words const& w, uint32_t j) const {
+    return philox::dropout_byte(w, j & 15u) >= threshold;
   }
 };
 
 // Dropout's keep bits of the scores a thread holds: bit c of bits[r] for element (r, c) of a (row, col) view
-// whose tile-local coordinates coord_rc gives, at (row0, col0) in the sequence. The loop over columns stays
-// rolled: the Philox draws then keep few registers live, and the kernel around them its own (unrolled, they
-// spilled the sm80 forward at head dim 64). The caller applies the bits in its unrolled loops.
+// whose tile-local coordinates coord_rc gives, at (row0, col0) in the sequence. A draw covers 16 keys of a
+// row, and an MMA thread's columns come in pairs, two pairs per 16 keys: each draw is kept while the
+// thread's next columns stay in its group, so a thread draws once per row and group it touches, not once
+// per element (a Philox draw is ten rounds of two wide multiplies: per element it cost the sm80 forward
+// 7-10x its time without dropout). The loop over columns stays rolled: the draws then keep few registers
+// live, and the kernel around them its own (unrolled, they spilled the sm80 forward at head dim 64). The
+// caller applies the bits in its unrolled loops.
 template <int kRows, class Coords>
 __device__ __forceinline__ void dropout_bits(DropoutStream const& d, Coords const& coord_rc, int row0, int col0,
                                              uint64_t (&bits)[kRows]) {
@@ -49,10 +56,20 @@ __device__ __forceinline__ void dropout_bits(DropoutStream const& d, Coords cons
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     uint64_t b = 0;
+    philox::Words w{};
+    uint32_t drawn_row = 0, drawn_group = 0;
+    bool have = false;
 #pragma unroll 1
     for (int c = 0; c < kCols; ++c) {
       const auto rc = coord_rc(r, c);
-      if (d.factor(row0 + get<0>(rc), col0 + get<1>(rc)) != 0.f) b |= uint64_t{1} << c;
+      const uint32_t i = static_cast<uint32_t>(row0 + get<0>(rc)), j = static_cast<uint32_t>(col0 + get<1>(rc));
+      if (!have || i != drawn_row || j >> 4 != drawn_group) {
+        w = d.draw(i, j >> 4);
+        drawn_row = i;
+        drawn_group = j >> 4;
+        have = true;
+      }
+      if (d.kept(w, j)) b |= uint64_t{1} << c;
     }
     bits[r] = b;
   }
