@@ -111,9 +111,9 @@ void dense_case(flare_dtype dtype, int32_t causal, int32_t window_left, int64_t 
 }
 
 TEST(UnseenValues, FewKeys) {
-  // Sequences of at most 8 keys take the row-at-a-time forward (cpu/few_keys.hpp): its rows sum only the keys
-  // they see. 40 queries against 5 keys, causal (bottom-right): rows 0..34 see no key, row 35 + j sees keys
-  // 0..j; with a window of 1 row 39 sees keys 3 and 4 only.
+  // A few keys in one block, most of it past the sequence or masked. 40 queries against 5 keys, causal
+  // (bottom-right): rows 0..34 see no key, row 35 + j sees keys 0..j; with a window of 1 row 39 sees keys 3
+  // and 4 only.
   for (flare_dtype dtype : {FLARE_DTYPE_F32, FLARE_DTYPE_BF16}) {
     dense_case(dtype, 1, -1, 2, kNaN, kInf, 32, 40, 5);   // rows 35, 36 cannot see key 2
     dense_case(dtype, 1, -1, 4, kInf, kNaN, 40, 40, 5);   // only row 39 sees key 4 (odd head dim)
