@@ -157,7 +157,7 @@ ForwardResult forward(const Dims& dims, const Options& opts, const Sequence& seq
 }
 
 Gradients backward(const Dims& dims, const Options& opts, const Sequence& seq, const std::vector<double>& dout,
-                   RoundFn round, const std::vector<double>* given_lse) {
+                   RoundFn round, const std::vector<double>* given_lse, const std::vector<double>* given_out) {
   check_sequence(dims, opts, seq);
   require(static_cast<int64_t>(dout.size()) == seq.seqlen_q * dims.nheads * dims.headdim_v,
           "dout has the wrong size");
@@ -166,6 +166,8 @@ Gradients backward(const Dims& dims, const Options& opts, const Sequence& seq, c
   const ForwardResult fwd = forward(dims, opts, seq, round);
   require(given_lse == nullptr || given_lse->size() == fwd.lse.size(), "given_lse has the wrong size");
   const std::vector<double>& lse_of_row = given_lse ? *given_lse : fwd.lse;
+  require(given_out == nullptr || given_out->size() == fwd.out.size(), "given_out has the wrong size");
+  const std::vector<double>& out = given_out ? *given_out : fwd.out;
 
   Gradients g;
   g.dq.assign(seq.q.size(), 0.0);
@@ -182,7 +184,7 @@ Gradients backward(const Dims& dims, const Options& opts, const Sequence& seq, c
       row_scores(dims, opts, seq, h, i, rs);
       const double* qi = &seq.q[(i * dims.nheads + h) * dims.headdim];
       const double* doi = &dout[(i * dims.nheads + h) * dims.headdim_v];
-      const double* oi = &fwd.out[(i * dims.nheads + h) * dims.headdim_v];
+      const double* oi = &out[(i * dims.nheads + h) * dims.headdim_v];
       // D_i = sum_j P_ij dP_ij = dout_i · out_i
       double d_row = 0.0;
       for (int64_t c = 0; c < dims.headdim_v; ++c) d_row += doi[c] * oi[c];
@@ -192,13 +194,13 @@ Gradients backward(const Dims& dims, const Options& opts, const Sequence& seq, c
         p[j] = dp[j] = 0.0;
         if (rs.score[j] == kNegInf) continue;
         // p: the undropped probability (the softmax's Jacobian); dp: the gradient reaching it, through dropout's
-        // factor z (out = sum_j p_j z_j v_j).
+        // factor z (out = sum_j p_j z_j v_j). Neither is rounded: only the products' operands are (RoundFn).
         const double z = dropout_factor(opts, dims.nheads, h, i, j);
-        p[j] = apply_round(round, std::exp(rs.score[j] - lse));
+        p[j] = std::exp(rs.score[j] - lse);
         const double* vj = &seq.v[(j * dims.nheads_k + hk) * dims.headdim_v];
         double acc = 0.0;
         for (int64_t c = 0; c < dims.headdim_v; ++c) acc += doi[c] * vj[c];
-        dp[j] = apply_round(round, acc * z);
+        dp[j] = acc * z;
         zs[j] = z;
       }
       double* dqi = &g.dq[(i * dims.nheads + h) * dims.headdim];
@@ -206,11 +208,12 @@ Gradients backward(const Dims& dims, const Options& opts, const Sequence& seq, c
         if (rs.score[j] == kNegInf) continue;  // masked: P = 0 and no gradient
         // dS = P (dP - D) is the gradient with respect to the final score; through softcap the raw score's
         // gradient picks up d/dx [cap tanh(x / cap)] = 1 - tanh^2(x / cap). ALiBi is additive: factor 1.
-        double ds = apply_round(round, p[j] * (dp[j] - d_row));
+        double ds = p[j] * (dp[j] - d_row);
         if (opts.softcap > 0.0) {
           const double t = std::tanh(rs.raw[j] / opts.softcap);
           ds *= 1.0 - t * t;
         }
+        ds = apply_round(round, ds);
         const double* kj = &seq.k[(j * dims.nheads_k + hk) * dims.headdim];
         double* dkj = &g.dk[(j * dims.nheads_k + hk) * dims.headdim];
         for (int64_t c = 0; c < dims.headdim; ++c) {

@@ -51,9 +51,12 @@ struct Options {
 bool dropout_keeps(const Options& opts, int64_t nheads, int64_t h, int64_t i, int64_t j);
 
 // Models a computation that keeps its intermediates in a low-precision dtype ("same-dtype naive"): when
-// set, it rounds the probabilities P (after normalisation) and the output in the forward, and P, dP, dS
-// and the gradients in the backward; the kv-cache pass also rounds rotated q and rotated k_new (they are
-// stored in that dtype). nullptr = exact fp64 throughout.
+// set, it rounds the probabilities P (after normalisation) and the output in the forward; in the backward
+// it rounds where FlashAttention does, on the operands of its low-precision products: P (times dropout's
+// factor) where it meets dO in dV, dS (after the softcap factor) where it meets K and Q, and the gradients.
+// dP = dO Vᵀ and the P inside dS = P (dP - D) stay unrounded, as they stay in fp32 accumulators there.
+// The kv-cache pass also rounds rotated q and rotated k_new (they are stored in that dtype).
+// nullptr = exact fp64 throughout.
 using RoundFn = double (*)(double);
 
 struct Sequence {
@@ -85,9 +88,11 @@ ForwardResult forward(const Dims& dims, const Options& opts, const Sequence& seq
 
 // Exact gradients of sum(out * dout) with respect to q, k and v; dout is [seqlen_q][nheads][headdim_v].
 // given_lse ([nheads][seqlen_q]), when set, replaces the exact lse in P = exp(score - lse), as a backward
-// pass handed a stored (e.g. fp32-rounded) lse computes it.
+// pass handed a stored (e.g. fp32-rounded) lse computes it. given_out (like out), when set, replaces the
+// forward's out in D = dout · out, as a backward pass handed a stored (e.g. bf16-rounded) out computes it.
 Gradients backward(const Dims& dims, const Options& opts, const Sequence& seq, const std::vector<double>& dout,
-                   RoundFn round = nullptr, const std::vector<double>* given_lse = nullptr);
+                   RoundFn round = nullptr, const std::vector<double>* given_lse = nullptr,
+                   const std::vector<double>* given_out = nullptr);
 
 // ---- KV-cache attention (flash_attn_with_kvcache semantics, see flare_kvcache_params in flare.h) ----
 

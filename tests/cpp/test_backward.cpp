@@ -52,16 +52,30 @@ TEST(BackwardShapes, Fp64) {
   run_shapes(FLARE_DTYPE_F64, rng);
 }
 
-TEST(BackwardShapes, Bf16OddAndUnequalHeadDims) {
-  // The bf16 engines reduce over pairs of elements (AMX tiles, AVX512_BF16 dot products): an odd head dim is
-  // padded with a zero, on each side of headdim != headdim_v.
-  Rng rng;
+// The bf16 engines reduce over pairs of elements (AMX tiles, AVX512_BF16 dot products): an odd head dim is
+// padded with a zero, on each side of headdim != headdim_v.
+void run_odd_and_unequal_head_dims(Rng& rng) {
   const std::vector<std::pair<int64_t, int64_t>> dims = {{1, 1},   {3, 5},   {7, 7},    {59, 64}, {64, 59},
                                                          {127, 129}, {255, 1}, {1, 255}, {200, 96}};
   for (auto [d, dv] : dims) {
     AttnCase c = dense_case(FLARE_DTYPE_BF16, 1, 37, 70, 2, 1, d, dv);
     c.causal = rng.coin();
     check_backward(c, rng, kFp32Tol);
+  }
+}
+
+TEST(BackwardShapes, Bf16OddAndUnequalHeadDims) {
+  Rng rng;
+  run_odd_and_unequal_head_dims(rng);
+}
+
+TEST(BackwardShapes, Bf16OddAndUnequalHeadDimsKnownSeeds) {
+  // Seeds where dk at (d, dv) = (1, 1) and (3, 5) is a few rounding errors that the naive model must share to
+  // bound it: out's, as stored (both seeds; 800906629 went over the bound at every SIMD level), and the bf16
+  // engines' dS (1408312454 went over on those alone). See attention_harness.hpp, check_backward.
+  for (uint32_t seed : {800906629u, 1408312454u}) {
+    Rng rng(seed);
+    run_odd_and_unequal_head_dims(rng);
   }
 }
 
