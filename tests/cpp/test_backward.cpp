@@ -70,9 +70,9 @@ TEST(BackwardShapes, Bf16OddAndUnequalHeadDims) {
 }
 
 TEST(BackwardShapes, Bf16OddAndUnequalHeadDimsKnownSeeds) {
-  // Seeds where dk at (d, dv) = (1, 1) and (3, 5) is a few rounding errors that the naive model must share to
-  // bound it: out's, as stored (both seeds; 800906629 went over the bound at every SIMD level), and the bf16
-  // engines' dS (1408312454 went over on those alone). See attention_harness.hpp, check_backward.
+  // Seeds where dk at (d, dv) = (1, 1) and (3, 5) is a few rounding errors that the same-dtype models must
+  // share to bound it: out's, as stored (both seeds; 800906629 went over the bound at every SIMD level), and
+  // the bf16 engines' dS (1408312454 went over on those alone). See attention_harness.hpp, check_backward.
   for (uint32_t seed : {800906629u, 1408312454u}) {
     Rng rng(seed);
     run_odd_and_unequal_head_dims(rng);
