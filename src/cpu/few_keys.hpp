@@ -21,6 +21,7 @@
 
 #include "cpu/arena.hpp"
 #include "cpu/cpu_backend.hpp"
+#include "cpu/groups.hpp"
 #include "cpu/score_tile.hpp"
 #include "cpu/sequences.hpp"
 #include "cpu/simd.hpp"
@@ -183,12 +184,7 @@ struct FewKeysBackward {
   }
 };
 
-inline size_t few_keys_backward_scratch(const Problem& p, int nt) {
-  Arena a;
-  FewKeysBackward::Scratch ws;
-  ws.layout(a, p, nt);
-  return a.used();
-}
+inline size_t few_keys_backward_scratch(const Problem& p, int nt) { return scratch_bytes<FewKeysBackward>(p, nt); }
 
 // One task per (sequence, kv head) group, handed out dynamically; then the sinks' gradient (sinks.hpp).
 inline void few_keys_backward(const Problem& p, void* scratch, int nt) {
