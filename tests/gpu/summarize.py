@@ -14,6 +14,7 @@ flare-vs-sdpa comparison.
 import argparse
 import datetime
 import json
+import os
 import re
 import sys
 import xml.etree.ElementTree as ET
@@ -116,6 +117,7 @@ def main():
             "started": datetime.datetime.fromtimestamp(args.started).isoformat(timespec="seconds")
             if args.started else None,
             "finished": datetime.datetime.now().isoformat(timespec="seconds"),
+            "arch_path": os.environ.get("FLARE_CUDA_ARCH_PATH", "auto"),  # the CUDA forward path the run forced
             **run_meta.device_meta(torch), **run_meta.flare_meta()}
     stages = read_stages(args.work)
     for s in stages:

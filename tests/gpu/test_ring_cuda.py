@@ -43,9 +43,8 @@ def _check(records, name):
         pytest.fail(records[name], pytrace=False)
 
 
-@pytest.mark.parametrize("world,case", workers.plan(), ids=[f"{w}ranks-{c}" for w, c in workers.plan()])
-def test_ring_cuda(world, case):
-    records = _records("staged", workers.run, workers.WORLD)
+def _check_case(records, world, case):
+    """_check for one case of `world` ranks; with the sm90 path forced, a varlen case must be refused instead."""
     if sm90_forced() and case.startswith("varlen"):
         # The forced sm90 forward takes no varlen batch: the ring must pass its refusal on, naming the path.
         assert not isinstance(records, Exception) and records.get(f"{world}/{case}") is not None, \
@@ -56,12 +55,17 @@ def test_ring_cuda(world, case):
     _check(records, f"{world}/{case}")
 
 
+@pytest.mark.parametrize("world,case", workers.plan(), ids=[f"{w}ranks-{c}" for w, c in workers.plan()])
+def test_ring_cuda(world, case):
+    _check_case(_records("staged", workers.run, workers.WORLD), world, case)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="NCCL moves CUDA tensors: the GPU run only")
 @pytest.mark.parametrize("name", ["causal_bf16_gqa_hd128", "varlen_causal_bf16_gqa", "nccl_refuses_cpu"])
 def test_ring_nccl_one_rank(name):
     if not torch.distributed.is_nccl_available():
         pytest.fail("this torch has no NCCL")
-    _check(_records("nccl", workers.run_nccl_single, 1), f"1/{name}")
+    _check_case(_records("nccl", workers.run_nccl_single, 1), 1, name)
 
 
 _NCCL_WORLD = workers.nccl_world() if DEVICE == "cuda" else 0
@@ -71,4 +75,4 @@ _NCCL_WORLD = workers.nccl_world() if DEVICE == "cuda" else 0
 @pytest.mark.parametrize("case", [c.name for c in workers.CASES])
 def test_ring_nccl_gpus(case):
     """Every case with one rank per GPU over NCCL: the real transport on NCCL's stream."""
-    _check(_records("nccl-gpus", workers.run_nccl, _NCCL_WORLD), f"{_NCCL_WORLD}/{case}")
+    _check_case(_records("nccl-gpus", workers.run_nccl, _NCCL_WORLD), _NCCL_WORLD, case)
