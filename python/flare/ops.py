@@ -344,7 +344,14 @@ def _direct_call(tensors) -> bool:
     for t in tensors:
         if type(t) is not Tensor or t.device != first.device or (grad and t.requires_grad):
             return False
-    return not (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
+    return not _intercepted()
+
+
+def _intercepted() -> bool:
+    """Whether something would see a call through torch's op dispatch that a direct call skips: tracing
+    (torch.compile), a torch function mode (a device context), a dispatch mode (FakeTensorMode, counters, ...)
+    or a functorch transform (vmap, grad)."""
+    return bool(torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
                 or torch._C._len_torch_dispatch_stack() or torch._C._functorch.maybe_current_level() is not None)
 
 
@@ -526,9 +533,9 @@ def fwd_kvcache_eager(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Option
 
     direct=True is flash_attn_with_kvcache's eager route around the op, taken only where the op would add
     nothing but tens of microseconds of host time: plain tensors (no subclass: FakeTensor, FunctionalTensor,
-    DTensor, ... need the op) of ranks the op takes on the CPU or one CUDA device, no tracing (torch.compile),
-    torch function mode (a device context) or dispatch mode (FakeTensorMode, counters, ...) active, and
-    arguments that pass every check of the op (_kvcache_rest_passes). Otherwise it returns None, and the caller
+    DTensor, ... need the op) of ranks the op takes on the CPU or one CUDA device, nothing intercepting the call
+    (_intercepted: tracing, modes, functorch transforms), and arguments that pass every check of the op
+    (_kvcache_rest_passes). Otherwise it returns None, and the caller
     calls the op, whose checks name what is wrong.
 
     The params are packed from a copy of the library's defaults, each view written in place (_capi.set_view);
@@ -542,8 +549,7 @@ def fwd_kvcache_eager(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Option
                   rotary_sin, alibi_slopes, sinks):
             if t is not None and type(t) is not Tensor:
                 return None
-        if (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
-                or torch._C._len_torch_dispatch_stack()):
+        if _intercepted():
             return None
         if not _kvcache_rest_passes(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx,
                                     cache_leftpad, block_table, rotary_cos, rotary_sin, num_splits, alibi_slopes,

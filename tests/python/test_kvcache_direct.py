@@ -111,6 +111,20 @@ def test_dispatch_modes_and_fake_tensors_see_the_op():
     assert out.shape == q.shape and type(out) is not torch.Tensor
 
 
+def test_functorch_transforms_see_the_op():
+    # Inside a functorch transform (vmap, grad) tensors are wrapped in a way type() does not show: the direct
+    # routes of flash_attn_with_kvcache and of no-grad forwards (ops.fwd_call) both step aside for it.
+    assert not ops._intercepted()
+    seen = []
+
+    def body(x):
+        seen.append(ops._intercepted())
+        return x * 2
+
+    torch.func.vmap(body)(torch.ones(3, 2))
+    assert seen == [True]
+
+
 def test_direct_route_errors_as_the_op_and_writes_nothing():
     q, kc, vc, k, v, seqlens, table = _case(torch.float32, paged=True)
     bad = table.clone()
