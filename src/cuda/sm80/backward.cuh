@@ -112,8 +112,10 @@ __device__ __forceinline__ void query_tiles_of(policy::WindowMask const& mask, i
   m_last = q_last >= q_first ? static_cast<int>(q_last / block_m) + 1 : 0;
 }
 
-// kShaped: compiled for calls with softcap or ALiBi (shaped_scores); the common kernel carries neither, which
-// keeps its registers within budget (the softcap path spilled ~1 KB per thread into every call's kernel).
+// kShaped: compiled for calls with softcap, ALiBi (shaped_scores) or dropout; the common kernel carries none of
+// them, which keeps its registers within budget (the softcap path spilled ~1 KB per thread into every call's
+// kernel; dropout, at head dim 128 on sm_90, 240 bytes per thread instead of 128 and a quarter more
+// instructions: docs/tuning-sm80.md, "Dropout in one kernel").
 template <class T, bool kShaped>
 __device__ __forceinline__ void backward_body(BwdParams const& p) {
   using Element = typename T::Element;
@@ -278,7 +280,7 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
 
     const ScoreShape shape(p, b, h, seq.len_q, seq.len_k);
     const float f = shape.log2_factor;
-    const bool dropping = p.dropout_p > 0.f;
+    const bool dropping = kShaped && p.dropout_p > 0.f;  // compiled out of the common kernel
     const DropoutStream dropout(p, b, h);
     float* dq_accum = p.dq_accum +
                       ((static_cast<int64_t>(p.deterministic ? blockIdx.x : 0) * p.nheads + h) * p.q_rows + q_row0) *
@@ -637,6 +639,7 @@ cudaError_t launch_chained(Kernel kernel, dim3 grid, int threads, int smem, cuda
 // each one's launch and first loads then overlap the previous one's last CTAs.
 template <class T, bool kShaped>
 cudaError_t launch_backward_with(BwdParams const& p, cudaStream_t stream, bool chain = true) {
+  if (!kShaped && p.dropout_p > 0.f) return cudaErrorNotSupported;  // routed past launch_backward's rule
   using Element = typename T::Element;
   const BwdGrids<T> grids(p);
   const bool chained = chain && chained_launch_allowed<T>();
@@ -674,12 +677,12 @@ cudaError_t launch_backward_with(BwdParams const& p, cudaStream_t stream, bool c
   return cudaSuccess;
 }
 
-// The backward of a call: traits T, or TShaped for calls with softcap or ALiBi (shaped_scores). Both must
-// have the key-tile height the host sized the workspace for.
+// The backward of a call: traits T, or TShaped for calls with softcap, ALiBi (shaped_scores) or dropout. Both
+// must have the key-tile height the host sized the workspace for.
 template <class T, class TShaped = T>
 cudaError_t launch_backward(BwdParams const& p, cudaStream_t stream) {
   static_assert(T::kBlockN == TShaped::kBlockN, "one key-tile height per head dim (backward_block_n)");
-  if (shaped_scores(p)) return launch_backward_with<TShaped, true>(p, stream);
+  if (shaped_scores(p) || p.dropout_p > 0.f) return launch_backward_with<TShaped, true>(p, stream);
   using Short = typename BwdShortOf<T>::type;  // configs.cuh: short sequences, where it pays
   if constexpr (!std::is_void_v<Short>) {
     static_assert(Short::kBlockN == T::kBlockN && Short::kBlockM == T::kBlockM, "the same workspace");

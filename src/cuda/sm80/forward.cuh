@@ -26,6 +26,7 @@ __device__ __forceinline__ void key_tiles_of(policy::WindowMask const& mask, int
 }
 
 // T::kPlain: compiled with the mask alone, for calls without softcap and ALiBi; else with the score transform.
+// T::kDropout: compiled with dropout.
 // kWholeDims: for calls whose head dims fill the tile (T::kWholeDimsKernel), K and V tiles are copied without
 // column predicates; else whether they need them is a run-time test.
 template <class T, bool kWholeDims>
@@ -150,7 +151,7 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
     row_sum[r] = 0.f;
   }
   const float f = shape.log2_factor;
-  const bool dropping = p.dropout_p > 0.f;
+  const bool dropping = T::kDropout && p.dropout_p > 0.f;  // compiled out of the kernels without it
   const DropoutStream dropout(p, b, h);
   if constexpr (!T::kEarlyCopies) prologue();
 
@@ -271,6 +272,7 @@ bool whole_dims(AttnParams const& p) {
 // Launches the forward kernel for one traits type on `stream`, compiled with or without kWholeDims.
 template <class T, bool kWholeDims>
 cudaError_t launch_forward_kernel(AttnParams const& p, cudaStream_t stream) {
+  if (!T::kDropout && p.dropout_p > 0.f) return cudaErrorNotSupported;  // routed past launch_forward_as's rule
   const auto kernel = forward_kernel<T, kWholeDims>;
   constexpr int kSmem = T::kSmemBytes;
   if constexpr (kSmem > 48 * 1024) {
@@ -310,11 +312,14 @@ cudaError_t launch_forward_config(AttnParams const& p, cudaStream_t stream) {
   return launch_forward<typename Config::type>(p, stream);
 }
 
+// Calls with dropout take the short shape's kernel with the score transform, the one kernel that carries
+// dropout (FwdTraits::kDropout).
 template <class Element, int kHeadDim, SmemClass kClass>
 cudaError_t launch_forward_as(AttnParams const& p, cudaStream_t stream) {
-  if (forward_shape(kHeadDim, p) == FwdShape::kShort) {
-    return launch_forward_config<FwdConfigOf<Element, kHeadDim, FwdShape::kShort, kClass>>(p, stream);
-  }
+  using Short = FwdConfigOf<Element, kHeadDim, FwdShape::kShort, kClass>;
+  static_assert(Short::type::kDropout, "dropout calls need a kernel that carries it");
+  if (p.dropout_p > 0.f) return launch_forward<typename Short::type>(p, stream);
+  if (forward_shape(kHeadDim, p) == FwdShape::kShort) return launch_forward_config<Short>(p, stream);
   return launch_forward_config<FwdConfigOf<Element, kHeadDim, FwdShape::kLong, kClass>>(p, stream);
 }
 

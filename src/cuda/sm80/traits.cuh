@@ -84,6 +84,12 @@ struct FwdTraits {
   // first visit waits for Q and K alone) instead of in the first visit: faster from head dim 128, slower at
   // head dim 64 (docs/tuning-sm80.md, "Forward: copy order in the prologue").
   static constexpr bool kFirstVEarly = kHeadDim_ >= 128;
+  // Whether the kernel carries dropout: the short shape's kernel with the score transform alone, which dropout
+  // calls take (launch_forward_as). Elsewhere its code cost registers that every call paid for, dropout or not:
+  // at head dim 128 (ptxas, sm_90) the plain kernel spilled 728 bytes per thread instead of 136 and the 128-row
+  // kernel with the transform 2576 instead of none; the short one stays unspilled with it (212 registers,
+  // 205 without). docs/tuning-sm80.md, "Dropout in one kernel".
+  static constexpr bool kDropout = !kPlain_ && kBlockM_ == 64;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
