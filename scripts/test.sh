@@ -13,8 +13,9 @@
 #   3b. the Python wheel of that library: inspected, installed into a fresh venv, smoke-tested (check-wheel.sh)
 #   4. where nvcc is installed: the CUDA sources compiled (one head-dim tile of each pass, sm_80), so a
 #      compile error cannot land, and the library checked for symbols it lacks (a forward-only dispatcher
-#      too); one sm90 forward unit compiled for sm_90a and its machine code checked, the sm90 layouts checked
-#      on the CPU (scripts/check-sm90.sh); where a GPU is present too, a CUDA build and the GPU suite (tests/gpu)
+#      too), the sm80 dropout draws' column groups checked against the MMA layouts on the CPU; one sm90
+#      forward unit compiled for sm_90a and its machine code checked, the sm90 layouts checked on the CPU
+#      (scripts/check-sm90.sh); where a GPU is present too, a CUDA build and the GPU suite (tests/gpu)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -90,6 +91,10 @@ if command -v nvcc >/dev/null 2>&1; then
   make -C build/cuda-check-fwd/src cuda/backend.cu.o >/dev/null
   backward=$(nm -C build/cuda-check-fwd/src/CMakeFiles/flare_cuda_host.dir/cuda/backend.cu.o | grep -E " U .*backward" || true)
   if [[ -n $backward ]]; then echo "test.sh: a forward-only build names backward kernels:"; echo "$backward"; exit 1; fi
+  # The sm80 dropout draws' column groups against every configuration's MMA layout, on the CPU.
+  nvcc -std=c++20 --expt-relaxed-constexpr -O1 -I include -I src -isystem build/deps/cutlass/cutlass_library/source/include \
+       tests/cuda/test_sm80_dropout_groups.cu -o build/cuda-check/test_sm80_dropout_groups
+  build/cuda-check/test_sm80_dropout_groups
 
   stage "sm90 forward without a GPU: one unit for sm_90a and its SASS; layouts and partitions on the CPU"
   scripts/check-sm90.sh build/sm90-check

@@ -41,24 +41,23 @@ struct DropoutStream {
 };
 
 // Dropout's keep bits of the scores a thread holds: bit c of bits[r] for element (r, c) of a (row, col) view
-// whose tile-local coordinates coord_rc gives, at (row0, col0) in the sequence. A draw covers 16 keys of a
-// row. An MMA thread's columns come in pairs, 8 keys apart (m16n8 accumulators, col0 a multiple of 16): its
-// columns 4g .. 4g + 3 of a row lie in one group of 16 keys, so it draws once per row and group of four
-// columns. The GPU tests hold the bits to the CPU's mask (tests/gpu/test_cuda_attention.py's
-// test_dropout_mask_is_the_cpu_mask, and test_dropout_matches_the_cpu_backend for the backward), which a
-// column outside its group would break. (A Philox draw is ten rounds of
-// two wide multiplies: per element it cost the sm80 forward 7-10x its time without dropout. Written as a
-// loop over columns that drew when a column left the last draw's group, ptxas predicated the draw into every
-// column: four draws' work where one was needed.) The loop over groups stays rolled: the draws then keep few
-// registers live, and the kernel around them its own (unrolled, they spilled the sm80 forward at head dim
-// 64). The caller applies the bits in its unrolled loops.
-template <int kRows, class Coords>
+// whose tile-local coordinates coord_rc gives, at (row0, col0) in the sequence (col0 a multiple of 16). A
+// draw covers 16 keys of a row (a Philox draw is ten rounds of two wide multiplies: drawn per element it cost
+// the sm80 forward 7-10x its time without dropout). The thread's columns kPerDraw * g .. kPerDraw * (g + 1)
+// - 1 of a row lie in one group of 16 keys, so it draws once per such group: kPerDraw is a property of the
+// MMA layout (4 in the forward, whose warps split the rows only; 2 in the backward, whose warps split the
+// keys too), which tests/cuda/test_sm80_dropout_groups.cu checks for every configuration on the CPU.
+// (Written as a walk over the columns that drew again when a column left the last draw's group, ptxas
+// (sm_90) if-converted it and issued the draw's work for every column: docs/tuning-sm80.md, "Dropout's
+// draws".) The loop over groups stays rolled: the draws then keep few registers live, and the kernel
+// around them its own (unrolled, they spilled the sm80 forward at head dim 64). The caller applies the
+// bits in its unrolled loops.
+template <int kPerDraw, int kRows, class Coords>
 __device__ __forceinline__ void dropout_bits(DropoutStream const& d, Coords const& coord_rc, int row0, int col0,
                                              uint64_t (&bits)[kRows]) {
   constexpr int kCols = decltype(size<1>(coord_rc))::value;
-  constexpr int kPerDraw = 4;  // a thread's columns in one group of 16 keys
   static_assert(kCols <= 64, "a thread's row of scores must fit the 64 bits of its mask");
-  static_assert(kCols % kPerDraw == 0, "a thread's columns come in whole groups of four");
+  static_assert(kCols % kPerDraw == 0 && 16 % kPerDraw == 0, "a thread's columns come in whole groups");
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
     uint64_t b = 0;
@@ -69,8 +68,7 @@ __device__ __forceinline__ void dropout_bits(DropoutStream const& d, Coords cons
       const philox::Words w = d.draw(i, static_cast<uint32_t>(col0 + get<1>(coord_rc(r, c0))) >> 4);
       CUTE_UNROLL
       for (int e = 0; e < kPerDraw; ++e) {
-        const uint32_t j = static_cast<uint32_t>(col0 + get<1>(coord_rc(r, c0 + e)));
-        if (d.kept(w, j)) b |= uint64_t{1} << (c0 + e);
+        if (d.kept(w, static_cast<uint32_t>(col0 + get<1>(coord_rc(r, c0 + e))))) b |= uint64_t{1} << (c0 + e);
       }
     }
     bits[r] = b;

@@ -344,7 +344,10 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
       Tensor dp = rowcol(acc_dp);
       // With dropout (factor z of the element, from its keep bit): P z for dV, and dS = P (dP z - D).
       uint64_t keep[kRows];
-      if (dropping) dropout_bits(dropout, coord_rc, m0 + coords.row_base, n0 + coords.col_base, keep);
+      if (dropping) {
+        dropout_bits<T::kDropoutColumnsPerDraw>(dropout, coord_rc, m0 + coords.row_base, n0 + coords.col_base,
+                                                keep);
+      }
       const auto p_and_ds = [&](int r, int c, float x, float dtanh) {
         const float pr = exp2_approx(fmaf(x, f, -lse2[r]));
         const float z = !dropping ? 1.f : (keep[r] >> c) & 1 ? dropout.scale : 0.f;

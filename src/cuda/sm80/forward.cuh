@@ -202,7 +202,8 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
     if (dropping) {
       // Dropout: P times its keep factors after the sum took it whole (lse stays undropped).
       uint64_t keep[kRows];
-      dropout_bits(dropout, coord_rc, m0 + coords.row_base, n0 + coords.col_base, keep);
+      dropout_bits<T::kDropoutColumnsPerDraw>(dropout, coord_rc, m0 + coords.row_base, n0 + coords.col_base,
+                                              keep);
       CUTE_UNROLL
       for (int r = 0; r < kRows; ++r) {
         CUTE_UNROLL

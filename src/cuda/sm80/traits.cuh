@@ -87,9 +87,12 @@ struct FwdTraits {
   // Whether the kernel carries dropout: the short shape's kernel with the score transform alone, which dropout
   // calls take (launch_forward_as). Elsewhere its code cost registers that every call paid for, dropout or not:
   // at head dim 128 (ptxas, sm_90) the plain kernel spilled 728 bytes per thread instead of 136 and the 128-row
-  // kernel with the transform 2576 instead of none; the short one stays unspilled with it (212 registers,
-  // 205 without). docs/tuning-sm80.md, "Dropout in one kernel".
+  // kernel with the transform 2576 instead of none; the short one keeps 205 registers and no spill with it.
+  // docs/tuning-sm80.md, "Dropout in one kernel".
   static constexpr bool kDropout = !kPlain_ && kBlockM_ == 64;
+  // How many of a thread's score columns (of a row, in order) one dropout draw of 16 keys covers
+  // (dropout_bits); tests/cuda/test_sm80_dropout_groups.cu checks it against the MMA layout.
+  static constexpr int kDropoutColumnsPerDraw = 4;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
@@ -151,6 +154,10 @@ struct BwdTraits {
   using Mma = TiledMMA<MmaAtom<Element>, Layout<Shape<Int<kAtomM>, Int<kWarps / kAtomM>, _1>>,
                        Tile<Int<16 * kAtomM>, Int<16 * (kWarps / kAtomM)>, _16>>;
   using MmaSdP = Mma<kAtomMSdP>;  // S = Q K^T and dP = dO V^T:      (kBlockM x kBlockN)
+  // How many of a thread's score columns (of a row, in order) one dropout draw of 16 keys covers
+  // (dropout_bits): 2, the warps splitting the keys as well; tests/cuda/test_sm80_dropout_groups.cu
+  // checks it against MmaSdP's layout.
+  static constexpr int kDropoutColumnsPerDraw = 2;
   using MmadKV = Mma<kAtomNdKV>;  // dV += P^T dO and dK += dS^T Q:  (kBlockN x kHeadDim)
   using MmadQ = Mma<kAtomMdQ>;    // dQ = dS K:                       (kBlockM x kDqCols) per slice
 
