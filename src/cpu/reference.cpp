@@ -45,14 +45,14 @@ double resolved_scale(const Dims& dims, const Options& opts) {
 
 // Scores of query row i of head h against every key: raw[j] is the raw scaled dot product (needed for
 // the softcap derivative), score[j] the final score, -inf where masked. With rd set, every operation of
-// the score (scale * q, each product and partial sum, softcap, ALiBi) is rounded by it.
+// the score is rounded by it, the scale applied where scale_order says (see reference.hpp's forward).
 struct RowScores {
   std::vector<double> raw;
   std::vector<double> score;
 };
 
 void row_scores(const Dims& dims, const Options& opts, const Sequence& seq, int64_t h, int64_t i, RowScores& rs,
-                RoundFn rd = nullptr) {
+                RoundFn rd = nullptr, ScaleOrder scale_order = ScaleOrder::kAfterProduct) {
   const int64_t group = dims.nheads / dims.nheads_k;
   const int64_t hk = h / group;
   const double scale = resolved_scale(dims, opts);
@@ -64,8 +64,11 @@ void row_scores(const Dims& dims, const Options& opts, const Sequence& seq, int6
     const double* kj = &seq.k[(j * dims.nheads_k + hk) * dims.headdim];
     double s = 0.0;
     if (rd) {
-      // The scale folded into q first, then a sequential sum: one plain way to form scores in the dtype.
-      for (int64_t c = 0; c < dims.headdim; ++c) s = rd(s + rd(rd(scale * qi[c]) * kj[c]));
+      // A sequential sum of fused multiply-adds: each partial sum rounded, the products (of two values of
+      // the dtype) exact in fp64.
+      const bool folded = scale_order == ScaleOrder::kFoldedIntoQ;
+      for (int64_t c = 0; c < dims.headdim; ++c) s = rd(s + (folded ? rd(scale * qi[c]) : qi[c]) * kj[c]);
+      if (!folded) s *= scale;
     } else {
       double dot = 0.0;
       for (int64_t c = 0; c < dims.headdim; ++c) dot += qi[c] * kj[c];
@@ -127,7 +130,7 @@ bool key_visible(const Options& opts, int64_t i, int64_t j, int64_t seqlen_q, in
 }
 
 ForwardResult forward(const Dims& dims, const Options& opts, const Sequence& seq, RoundFn round,
-                      RoundFn round_scores) {
+                      RoundFn round_scores, ScaleOrder scale_order) {
   check_sequence(dims, opts, seq);
   const int64_t group = dims.nheads / dims.nheads_k;
   ForwardResult r;
@@ -138,7 +141,7 @@ ForwardResult forward(const Dims& dims, const Options& opts, const Sequence& seq
   for (int64_t h = 0; h < dims.nheads; ++h) {
     const int64_t hk = h / group;
     for (int64_t i = 0; i < seq.seqlen_q; ++i) {
-      row_scores(dims, opts, seq, h, i, rs, round_scores);
+      row_scores(dims, opts, seq, h, i, rs, round_scores, scale_order);
       const double lse = log_sum_exp(rs.score, sink_of(opts, h));
       r.lse[h * seq.seqlen_q + i] = lse;
       if (lse == kNegInf) continue;  // no visible key (nor sink): out stays 0

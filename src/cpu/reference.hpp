@@ -80,11 +80,18 @@ struct Gradients {
 // Whether query i sees key j in a sequence of these lengths (the mask only; ALiBi and softcap aside).
 bool key_visible(const Options& opts, int64_t i, int64_t j, int64_t seqlen_q, int64_t seqlen_k);
 
-// round_scores (forward only) also rounds every operation that forms a score (scale * q, each product and
-// partial sum of the dot product, softcap and ALiBi): a model of scores computed in that dtype, for checks
-// where large scores make the output sensitive to their rounding.
+// Where a model of scores computed in a dtype (forward's round_scores) applies the softmax scale: to q·k
+// once it is summed (FlashAttention's S = QKᵀ, the scale applied in the exponent), or to q before the sum
+// (a pass that stores scaled queries). The two sum differently rounded partial sums.
+enum class ScaleOrder { kAfterProduct, kFoldedIntoQ };
+
+// round_scores (forward only) also rounds every operation that forms a score, for checks where large
+// scores make the output sensitive to their rounding: a model of scores computed in that dtype. q·k is
+// summed in key-dimension order by fused multiply-adds (each partial sum rounded, the products exact), the
+// scale applied where scale_order says (scale * q rounded; scale times the sum exact, as in an exponent
+// formed by a fused multiply-add), then softcap and ALiBi, each operation rounded.
 ForwardResult forward(const Dims& dims, const Options& opts, const Sequence& seq, RoundFn round = nullptr,
-                      RoundFn round_scores = nullptr);
+                      RoundFn round_scores = nullptr, ScaleOrder scale_order = ScaleOrder::kAfterProduct);
 
 // Exact gradients of sum(out * dout) with respect to q, k and v; dout is [seqlen_q][nheads][headdim_v].
 // given_lse ([nheads][seqlen_q]), when set, replaces the exact lse in P = exp(score - lse), as a backward

@@ -128,15 +128,28 @@ TEST(ForwardFeatures, ExplicitScale) {
     }
 }
 
-TEST(ForwardFeatures, LargeScoresStayFinite) {
-  // Scores of magnitude ~100: exp overflows unless the running maximum is subtracted.
-  Rng rng;
+// Scores of magnitude ~100: exp overflows unless the running maximum is subtracted.
+void run_large_scores(Rng& rng) {
   for (flare_dtype dtype : kAllDtypes) {
     AttnCase c = dense_case(dtype, 2, 90, 150, 2, 2, 64, 64);
     c.softmax_scale = 12.0f;
     check_forward(c, rng);
     c.causal = true;
     check_forward(c, rng);
+  }
+}
+
+TEST(ForwardFeatures, LargeScoresStayFinite) {
+  Rng rng;
+  run_large_scores(rng);
+}
+
+TEST(ForwardFeatures, LargeScoresStayFiniteKnownSeeds) {
+  // A seed where fp32 out erred by 4.2x the error of a model that scaled q before the product, as flare sums
+  // q·k unscaled: the models must form scores as flare does (attention_harness.hpp, expect_matches).
+  for (uint32_t seed : {777722779u}) {
+    Rng rng(seed);
+    run_large_scores(rng);
   }
 }
 
