@@ -160,7 +160,8 @@ ForwardResult forward(const Dims& dims, const Options& opts, const Sequence& seq
 }
 
 Gradients backward(const Dims& dims, const Options& opts, const Sequence& seq, const std::vector<double>& dout,
-                   RoundFn round, const std::vector<double>* given_lse, const std::vector<double>* given_out) {
+                   RoundFn round, const std::vector<double>* given_lse, const std::vector<double>* given_out,
+                   Gradients* magnitudes) {
   check_sequence(dims, opts, seq);
   require(static_cast<int64_t>(dout.size()) == seq.seqlen_q * dims.nheads * dims.headdim_v,
           "dout has the wrong size");
@@ -177,8 +178,9 @@ Gradients backward(const Dims& dims, const Options& opts, const Sequence& seq, c
   g.dk.assign(seq.k.size(), 0.0);
   g.dv.assign(seq.v.size(), 0.0);
   if (!opts.sinks.empty()) g.dsinks.assign(dims.nheads, 0.0);
+  if (magnitudes) *magnitudes = Gradients{g.dq, g.dk, {}, {}};
   RowScores rs;
-  std::vector<double> p(seq.seqlen_k), dp(seq.seqlen_k), zs(seq.seqlen_k, 1.0);
+  std::vector<double> p(seq.seqlen_k), dp(seq.seqlen_k), zs(seq.seqlen_k, 1.0), dp_magnitude(seq.seqlen_k);
   for (int64_t h = 0; h < dims.nheads; ++h) {
     const int64_t hk = h / group;
     for (int64_t i = 0; i < seq.seqlen_q; ++i) {
@@ -189,8 +191,11 @@ Gradients backward(const Dims& dims, const Options& opts, const Sequence& seq, c
       const double* doi = &dout[(i * dims.nheads + h) * dims.headdim_v];
       const double* oi = &out[(i * dims.nheads + h) * dims.headdim_v];
       // D_i = sum_j P_ij dP_ij = dout_i · out_i
-      double d_row = 0.0;
-      for (int64_t c = 0; c < dims.headdim_v; ++c) d_row += doi[c] * oi[c];
+      double d_row = 0.0, d_magnitude = 0.0;
+      for (int64_t c = 0; c < dims.headdim_v; ++c) {
+        d_row += doi[c] * oi[c];
+        d_magnitude += std::fabs(doi[c] * oi[c]);
+      }
       // The sink's share of the row, exp(sink - lse), shrinks out: d out / d sink = -P_sink out.
       if (!opts.sinks.empty()) g.dsinks[h] -= std::exp(opts.sinks[h] - lse) * d_row;
       for (int64_t j = 0; j < seq.seqlen_k; ++j) {
@@ -201,9 +206,13 @@ Gradients backward(const Dims& dims, const Options& opts, const Sequence& seq, c
         const double z = dropout_factor(opts, dims.nheads, h, i, j);
         p[j] = std::exp(rs.score[j] - lse);
         const double* vj = &seq.v[(j * dims.nheads_k + hk) * dims.headdim_v];
-        double acc = 0.0;
-        for (int64_t c = 0; c < dims.headdim_v; ++c) acc += doi[c] * vj[c];
+        double acc = 0.0, acc_magnitude = 0.0;
+        for (int64_t c = 0; c < dims.headdim_v; ++c) {
+          acc += doi[c] * vj[c];
+          acc_magnitude += std::fabs(doi[c] * vj[c]);
+        }
         dp[j] = acc * z;
+        dp_magnitude[j] = acc_magnitude * z;
         zs[j] = z;
       }
       double* dqi = &g.dq[(i * dims.nheads + h) * dims.headdim];
@@ -211,10 +220,13 @@ Gradients backward(const Dims& dims, const Options& opts, const Sequence& seq, c
         if (rs.score[j] == kNegInf) continue;  // masked: P = 0 and no gradient
         // dS = P (dP - D) is the gradient with respect to the final score; through softcap the raw score's
         // gradient picks up d/dx [cap tanh(x / cap)] = 1 - tanh^2(x / cap). ALiBi is additive: factor 1.
+        // What cancels in dS (magnitudes): each term of dP and of D, and 1 and t^2 in softcap's factor.
         double ds = p[j] * (dp[j] - d_row);
+        double ds_magnitude = p[j] * (dp_magnitude[j] + d_magnitude);
         if (opts.softcap > 0.0) {
           const double t = std::tanh(rs.raw[j] / opts.softcap);
           ds *= 1.0 - t * t;
+          ds_magnitude *= 1.0 + t * t;
         }
         ds = apply_round(round, ds);
         const double* kj = &seq.k[(j * dims.nheads_k + hk) * dims.headdim];
@@ -226,6 +238,14 @@ Gradients backward(const Dims& dims, const Options& opts, const Sequence& seq, c
         double* dvj = &g.dv[(j * dims.nheads_k + hk) * dims.headdim_v];
         const double pz = apply_round(round, p[j] * zs[j]);
         for (int64_t c = 0; c < dims.headdim_v; ++c) dvj[c] += pz * doi[c];
+        if (magnitudes) {
+          double* mqi = &magnitudes->dq[(i * dims.nheads + h) * dims.headdim];
+          double* mkj = &magnitudes->dk[(j * dims.nheads_k + hk) * dims.headdim];
+          for (int64_t c = 0; c < dims.headdim; ++c) {
+            mqi[c] += scale * ds_magnitude * std::fabs(kj[c]);
+            mkj[c] += scale * ds_magnitude * std::fabs(qi[c]);
+          }
+        }
       }
     }
   }

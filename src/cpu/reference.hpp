@@ -97,9 +97,13 @@ ForwardResult forward(const Dims& dims, const Options& opts, const Sequence& seq
 // given_lse ([nheads][seqlen_q]), when set, replaces the exact lse in P = exp(score - lse), as a backward
 // pass handed a stored (e.g. fp32-rounded) lse computes it. given_out (like out), when set, replaces the
 // forward's out in D = dout · out, as a backward pass handed a stored (e.g. bf16-rounded) out computes it.
+// magnitudes, when set, receives per entry of dq and dk the sum of the magnitudes that cancel in it: each
+// dS = P (dP - D) taken as P (sum_c |dout_c v_c| z + sum_c |dout_c out_c|) (times 1 + t^2 through softcap's
+// 1 - t^2), q and k as |q| and |k|. Forming dP and D in a dtype errs by about its unit roundoff times these,
+// which is all of the result where dS nearly vanishes (a row that sees one key); dv and dsinks stay empty.
 Gradients backward(const Dims& dims, const Options& opts, const Sequence& seq, const std::vector<double>& dout,
                    RoundFn round = nullptr, const std::vector<double>* given_lse = nullptr,
-                   const std::vector<double>* given_out = nullptr);
+                   const std::vector<double>* given_out = nullptr, Gradients* magnitudes = nullptr);
 
 // ---- KV-cache attention (flash_attn_with_kvcache semantics, see flare_kvcache_params in flare.h) ----
 

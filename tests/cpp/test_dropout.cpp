@@ -170,8 +170,7 @@ TEST(Dropout, BackwardMatchesReference) {
     }
 }
 
-TEST(Dropout, BackwardWithFeaturesAndVarlen) {
-  Rng rng;
+void run_backward_with_features_and_varlen(Rng& rng) {
   for (flare_dtype dtype : {FLARE_DTYPE_F32, FLARE_DTYPE_BF16, FLARE_DTYPE_F64}) {
     AttnCase c = dense_case(dtype, 2, 130, 170, 4, 1, 80, 48);
     c.dropout_p = 0.4f;
@@ -188,6 +187,21 @@ TEST(Dropout, BackwardWithFeaturesAndVarlen) {
     c.dropout_p = static_cast<float>(rng.uniform(0.05, 0.6));
     c.deterministic = rng.coin();
     check_backward(c, rng, kFp32Tol);
+  }
+}
+
+TEST(Dropout, BackwardWithFeaturesAndVarlen) {
+  Rng rng;
+  run_backward_with_features_and_varlen(rng);
+}
+
+TEST(Dropout, BackwardWithFeaturesAndVarlenKnownSeeds) {
+  // Seeds with fp32 rows that see one key, where dS = P (dP - D) is 0 but for the rounding of dP and D: dq
+  // or dk went over the fixed fp32 tolerance (543051354 at the AVX-512 levels, 2066 at every level), inside
+  // the allowance for the magnitudes that cancel (attention_harness.hpp, check_backward).
+  for (uint32_t seed : {543051354u, 2066u}) {
+    Rng rng(seed);
+    run_backward_with_features_and_varlen(rng);
   }
 }
 
