@@ -8,6 +8,7 @@
 #include <cstdio>
 
 #include "cuda/sm80/configs.cuh"
+#include "cuda/sm80/tile_ops.cuh"
 
 namespace {
 
@@ -23,9 +24,7 @@ template <class Mma, int M, int N>
 bool grouped(int per_draw) {
   for (int tid = 0; tid < size(Mma{}); ++tid) {
     auto acc = Mma{}.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<Int<M>, Int<N>>{}));
-    auto l = acc.layout();  // ((2, 2), MMA_M, MMA_N) as ((2, MMA_M), (2, MMA_N)): sm80's rowcol_layout
-    auto rc = make_tensor(acc.data(), make_layout(make_layout(get<0, 1>(l), get<1>(l)),
-                                                  make_layout(get<0, 0>(l), get<2>(l))));
+    auto rc = make_tensor(acc.data(), sm80::rowcol_layout(acc.layout()));  // the kernels' (row, col) view
     if (size<1>(rc) % per_draw != 0) return false;
     for (int r = 0; r < size<0>(rc); ++r) {
       for (int c0 = 0; c0 < size<1>(rc); c0 += per_draw) {

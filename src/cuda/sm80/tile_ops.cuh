@@ -13,9 +13,10 @@ using namespace cute;
 
 // ---- accumulator layouts -------------------------------------------------------------------------------
 // An SM80 m16n8 accumulator fragment has layout ((2, 2), MMA_M, MMA_N): per thread, values (col, col + 1)
-// of row r and of row r + 8. As a (rows, cols) matrix that is ((2, MMA_M), (2, MMA_N)).
+// of row r and of row r + 8. As a (rows, cols) matrix that is ((2, MMA_M), (2, MMA_N)). Host-callable, for
+// tests/cuda's layout checks.
 template <class L>
-__device__ __forceinline__ constexpr auto rowcol_layout(L const& acc) {
+__host__ __device__ __forceinline__ constexpr auto rowcol_layout(L const& acc) {
   static_assert(rank(L{}) == 3, "expects an mma accumulator layout ((2,2),M,N)");
   return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)), make_layout(get<0, 0>(acc), get<2>(acc)));
 }
