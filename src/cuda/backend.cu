@@ -260,8 +260,12 @@ flare_status forward(const Problem& p) {
   auto stream = static_cast<cudaStream_t>(p.stream);
   cudaError_t e = cudaErrorInvalidValue;
   if (k.path == ArchPath::kSm90) {
+    // The TMA views' token extents (sm90_rejection keeps them in int range); at least 1, as an empty view
+    // cannot be described (an empty key range is never loaded).
+    const int q_tokens = static_cast<int>(std::max<int64_t>(p.varlen ? p.total_q : p.seqlen_q, 1));
+    const int k_tokens = static_cast<int>(std::max<int64_t>(p.varlen ? p.total_k : p.seqlen_k, 1));
     e = sm90_dispatch(p.dtype, k.headdim, e,
-                      [&]<flare_dtype D, int d>() { return sm90::run_forward<D, d>(a, stream); });
+                      [&]<flare_dtype D, int d>() { return sm90::run_forward<D, d>(a, q_tokens, k_tokens, stream); });
   } else {
     a.forward_rows = forced_forward_rows(std::getenv("FLARE_CUDA_FWD_ROWS"));
     e = sm80_dispatch(p.dtype, k.headdim, e, [&]<flare_dtype D, int d>() {

@@ -78,9 +78,7 @@ std::string sm90_rejection(const Problem& p, const DeviceProps& dev, const Built
     return cat("head dim ", p.headdim, ": the sm90 forward of this build has head dims ",
                head_dims_string(built.sm90_headdims), " (exactly)");
   }
-  if (p.varlen) return "varlen batches (cu_seqlens) take the sm80 path";
   if (p.dropout_p > 0.0f) return "dropout takes the sm80 path";
-  if (p.seqused_k != nullptr) return "seqused_k takes the sm80 path";
   if (sm90_smem_bytes > dev.smem_per_block) {
     return cat("the sm90 forward for head dim ", p.headdim, " needs ", sm90_smem_bytes,
                " bytes of shared memory per block but this GPU allows ", dev.smem_per_block);

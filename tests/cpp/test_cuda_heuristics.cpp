@@ -53,8 +53,8 @@ Problem forward_call(int64_t headdim = 128) {
   return p;
 }
 
-// The features a call may carry, each applied to a problem; none of them changes which path runs except where
-// the sm90 rule names it (varlen, seqused_k).
+// The features a call may carry, each applied to a problem; the sm90 forward takes each of them, so none
+// changes which path runs.
 struct Feature {
   const char* name;
   void (*apply)(Problem&);
@@ -131,7 +131,6 @@ TEST(CudaHeuristics, EveryCombinationMapsToAPathThatExists) {
                   EXPECT_TRUE(dev.cc_major == 9 && dev.cc_minor == 0);
                   EXPECT_EQ(headdim, headdim_v);
                   EXPECT_TRUE(has(built->sm90_headdims, headdim));
-                  EXPECT_FALSE(p.varlen || p.seqused_k != nullptr);
                   EXPECT_TRUE(autod.fallback.empty());
                   EXPECT_TRUE(sm80_exists) << "forced sm80 must be able to run what sm90 runs";
                 } else {
@@ -157,9 +156,9 @@ TEST(CudaHeuristics, EveryCombinationMapsToAPathThatExists) {
       }
     }
   }
-  // 5 head dims x 2 dtypes x 8 features (all but varlen and seqused_k) in the full build, 1 x 2 x 8 in the
-  // 128-only one, on the one sm_90 device.
-  EXPECT_EQ(sm90_runs, 5 * 2 * 8 + 1 * 2 * 8);
+  // 5 head dims x 2 dtypes x 10 features in the full build, 1 x 2 x 10 in the 128-only one, on the one sm_90
+  // device.
+  EXPECT_EQ(sm90_runs, 5 * 2 * 10 + 1 * 2 * 10);
 }
 
 TEST(CudaHeuristics, Sm90TakesWhatItCovers) {
@@ -167,8 +166,7 @@ TEST(CudaHeuristics, Sm90TakesWhatItCovers) {
     for (const Feature& f : kFeatures) {
       Problem p = forward_call(d);
       f.apply(p);
-      const bool dense = !p.varlen;
-      EXPECT_EQ(sm90_rejection(p, kH200, kFull, kSm90Smem).empty(), dense) << d << " " << f.name;
+      EXPECT_EQ(sm90_rejection(p, kH200, kFull, kSm90Smem), "") << d << " " << f.name;
     }
   }
 }
@@ -182,12 +180,6 @@ TEST(CudaHeuristics, FallbacksSayWhy) {
     return c.fallback;
   };
   Problem p = forward_call();
-  p.varlen = true;
-  EXPECT_EQ(why(p), "varlen batches (cu_seqlens) take the sm80 path");
-  p = forward_call();
-  p.seqused_k = kUsed;
-  EXPECT_EQ(why(p), "seqused_k takes the sm80 path");
-  p = forward_call();
   p.dropout_p = 0.1f;
   EXPECT_EQ(why(p), "dropout takes the sm80 path");
   p = forward_call(192);
@@ -227,9 +219,9 @@ TEST(CudaHeuristics, ForcedPaths) {
             "the sm90 path was asked for (arch_path, or FLARE_CUDA_ARCH_PATH=sm90) but cuda:0 is sm_80: the sm90 "
             "kernels (sm_90a code) run on compute capability 9.0 only (H100, H200): ask for auto or sm80 to run "
             "this call");
-  p.varlen = true;
+  p.dropout_p = 0.1f;
   EXPECT_TRUE(contains(choose_arch_path(p, FLARE_ARCH_PATH_SM90, kH200, kFull, kSm90Smem).unsupported,
-                       "but varlen batches (cu_seqlens) take the sm80 path"));
+                       "but dropout takes the sm80 path"));
   p = forward_call();
   p.pass = Pass::kBackward;
   EXPECT_TRUE(contains(choose_arch_path(p, FLARE_ARCH_PATH_SM90, kH200, kFull, kSm90Smem).unsupported,

@@ -42,8 +42,9 @@ def expect_sm90_refusal(run, context=""):
         return
     raise AssertionError(f"the sm90 path was forced and does not claim this call, yet it ran {context}")
 
-# What the sm90 forward claims (src/cuda/heuristics.cpp's rule, stated here independently): fp16/bf16, dense,
-# equal head dims of these sizes. Everything else must be refused when sm90 is forced.
+# What the sm90 forward claims (src/cuda/heuristics.cpp's rule, stated here independently): fp16/bf16, dense or
+# varlen (with or without seqused_k), equal head dims of these sizes. Everything else must be refused when sm90
+# is forced.
 SM90_HEADDIMS = (64, 96, 128, 192, 256)
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -185,6 +186,15 @@ def make_inputs(case, device=None):
         inputs["cu_seqlens_k"] = cu_seqlens(c.seqlens_k, device)
         inputs["seqused_k"] = (None if c.seqused_k is None
                                else torch.tensor(c.seqused_k, dtype=torch.int32, device=device))
+        if c.seqused_k is not None:
+            # Keys past seqused_k are slots no row may read (a serving cache's unwritten ones): NaN, so that any
+            # kernel that lets them reach an output, or a gradient, fails the finite check.
+            k0 = 0
+            with torch.no_grad():
+                for n, used in zip(c.seqlens_k, c.seqused_k):
+                    inputs["k"][k0 + used:k0 + n] = float("nan")
+                    inputs["v"][k0 + used:k0 + n] = float("nan")
+                    k0 += n
     return inputs
 
 
@@ -223,8 +233,8 @@ def reference(case, inputs, round_dtype=None, backward=True):
 def sm90_claims(case):
     """Whether the sm90 forward claims the case."""
     headdim_v = case.headdim if case.headdim_v is None else case.headdim_v
-    return (case.dtype in (torch.float16, torch.bfloat16) and not case.varlen and case.seqused_k is None
-            and case.headdim == headdim_v and case.headdim in SM90_HEADDIMS)
+    return (case.dtype in (torch.float16, torch.bfloat16) and case.headdim == headdim_v
+            and case.headdim in SM90_HEADDIMS)
 
 
 def check_case(case, backward=True, device=None):

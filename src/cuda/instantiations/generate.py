@@ -97,8 +97,8 @@ SM90_FWD = """\
 namespace flare::cuda::sm90 {{
 
 template <>
-cudaError_t run_forward<{enum}, {d}>(AttnParams const& p, cudaStream_t stream) {{
-  return launch_forward<{elem}, {d}>(p, stream);
+cudaError_t run_forward<{enum}, {d}>(AttnParams const& p, int q_tokens, int k_tokens, cudaStream_t stream) {{
+  return launch_forward<{elem}, {d}>(p, q_tokens, k_tokens, stream);
 }}
 
 template <>

@@ -5,8 +5,8 @@
 namespace flare::cuda::sm90 {
 
 template <>
-cudaError_t run_forward<FLARE_DTYPE_BF16, 64>(AttnParams const& p, cudaStream_t stream) {
-  return launch_forward<cutlass::bfloat16_t, 64>(p, stream);
+cudaError_t run_forward<FLARE_DTYPE_BF16, 64>(AttnParams const& p, int q_tokens, int k_tokens, cudaStream_t stream) {
+  return launch_forward<cutlass::bfloat16_t, 64>(p, q_tokens, k_tokens, stream);
 }
 
 template <>

@@ -9,6 +9,13 @@
 // matmuls. Key blocks are walked from the last to the first, masked blocks apart from unmasked ones
 // (policy::key_blocks_of), so the unmasked majority does no per-element mask work. O is staged in shared
 // memory and written by one TMA store per tile; rows past the sequence are clipped by the copy engine.
+//
+// Varlen batches (cu_seqlens) and seqused_k: the TMA views of a varlen operand hold every token of the batch
+// as one sequence, and a tile's box starts at its sequence's first token (sequence_view). Rows past the
+// sequence's end are then another sequence's (or, past seqused_k, unwritten cache slots): their scores are
+// masked, the V rows of the last key block past the end are zeroed in shared memory before P·V reads them
+// (0 · NaN would reach the row), and O is written by the consumer threads with a row predicate instead of
+// the TMA store, which would overwrite the next sequence's rows.
 #pragma once
 
 #include "cuda/sm90/cute_config.hpp"  // first: options for the CuTe headers
@@ -67,6 +74,13 @@ __device__ __forceinline__ void convert_into(Dst& dst, Src const& src) {
       conv(*reinterpret_cast<const cutlass::Array<float, N>*>(src.data()));
 }
 
+// The (tokens, head dim) view of one (batch, head) of a TMA operand: a dense operand's batch mode indexed, a varlen
+// operand's one batch offset to the sequence's first token.
+template <class TmaTensor>
+__device__ __forceinline__ auto sequence_view(TmaTensor const& m, int head, int batch, bool varlen, int token0) {
+  return domain_offset(make_coord(token0, _0{}), m(_, _, head, varlen ? 0 : batch));
+}
+
 // State that carries from one tile of a persistent CTA to the next: where each side is in the K and V rings
 // and the parity of the Q barriers' phase (one Q per non-empty tile).
 template <int kStages>
@@ -79,18 +93,22 @@ struct CarriedState {
 // ---- producer: one thread of warpgroup 0, one tile
 template <class T>
 __device__ __forceinline__ void produce(typename T::Params const& params, typename T::SharedStorage& ss,
-                                        FwdTileCoord tile, policy::KeyBlocks const& blocks,
+                                        FwdTileCoord tile, Sequence const& seq, policy::KeyBlocks const& blocks,
                                         CarriedState<T::kStages>& st) {
   AttnParams const& p = params.attn;
   const int hk = tile.head / (p.nheads / p.nheads_k);
-  Tensor mQ = params.tma_q.get_tma_tensor(make_shape(p.seqlen_q, p.headdim, p.nheads, p.batch));
-  Tensor mK = params.tma_k.get_tma_tensor(make_shape(p.seqlen_k, p.headdim, p.nheads_k, p.batch));
-  Tensor mV = params.tma_v.get_tma_tensor(make_shape(p.seqlen_k, p.headdim_v, p.nheads_k, p.batch));
-  Tensor gQ = local_tile(mQ(_, _, tile.head, tile.batch), Shape<typename T::BlockM, typename T::HeadDim>{},
-                         make_coord(tile.m_block, _0{}));  // (M, D)
-  Tensor gK = local_tile(mK(_, _, hk, tile.batch), Shape<typename T::BlockN, typename T::HeadDim>{},
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int batches = varlen ? 1 : p.batch;
+  Tensor mQ = params.tma_q.get_tma_tensor(make_shape(params.q_tokens, p.headdim, p.nheads, batches));
+  Tensor mK = params.tma_k.get_tma_tensor(make_shape(params.k_tokens, p.headdim, p.nheads_k, batches));
+  Tensor mV = params.tma_v.get_tma_tensor(make_shape(params.k_tokens, p.headdim_v, p.nheads_k, batches));
+  const int q0 = static_cast<int>(seq.q_token0);
+  const int k0 = static_cast<int>(seq.k_token0);
+  Tensor gQ = local_tile(sequence_view(mQ, tile.head, tile.batch, varlen, q0),
+                         Shape<typename T::BlockM, typename T::HeadDim>{}, make_coord(tile.m_block, _0{}));  // (M, D)
+  Tensor gK = local_tile(sequence_view(mK, hk, tile.batch, varlen, k0), Shape<typename T::BlockN, typename T::HeadDim>{},
                          make_coord(_, _0{}));  // (N, D, n)
-  Tensor gV = local_tile(mV(_, _, hk, tile.batch), Shape<typename T::BlockN, typename T::HeadDim>{},
+  Tensor gV = local_tile(sequence_view(mV, hk, tile.batch, varlen, k0), Shape<typename T::BlockN, typename T::HeadDim>{},
                          make_coord(_, _0{}));  // (N, D, n)
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutKV{});
@@ -128,7 +146,7 @@ __device__ __forceinline__ void produce(typename T::Params const& params, typena
 // ---- consumers: warpgroups 1..kMmaWarpgroups, one tile
 template <class T>
 __device__ __forceinline__ void consume(typename T::Params const& params, typename T::SharedStorage& ss,
-                                        FwdTileCoord tile, policy::KeyBlocks const& blocks,
+                                        FwdTileCoord tile, Sequence const& seq, policy::KeyBlocks const& blocks,
                                         CarriedState<T::kStages>& st) {
   using Element = typename T::Element;
   using BlockM = typename T::BlockM;
@@ -141,6 +159,7 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
   const int m0 = tile.m_block * T::kBlockM;
   const int h = tile.head;
   const int b = tile.batch;
+  if (m0 >= seq.len_q) return;  // a varlen batch's tile past its sequence: nothing to load or write
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutKV{});
@@ -169,7 +188,7 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
   const int col_base = get<1>(coord_mine(0)) - get<1>(coord_ref(0));
   Tensor coord_rc = make_tensor(coord_ref.data(), acc_rowcol_layout(coord_ref.layout()));
 
-  const ScoreShape shape(p, b, h, p.seqlen_q, p.seqlen_k);
+  const ScoreShape shape(p, b, h, seq.len_q, seq.len_k);
   const float f = shape.log2_factor;
   float row_max[kRows];
   float row_sum[kRows];
@@ -223,6 +242,21 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
       softmax(last - 1, last - 1 >= uhi || last - 1 < ulo, correction);
       convert_into(tOrP, tSrS);
     }
+    // Keys past the sequence's end in the last block: with varlen or seqused_k its V rows there are another
+    // sequence's or unwritten (a dense tensor's are past the TMA view, filled with zeros). Zeroed before any
+    // P·V reads them, by every consumer thread, outside the matmul turns (a warpgroup waiting at this barrier
+    // holds none).
+    if ((p.cu_seqlens_k != nullptr || p.seqused_k != nullptr) && seq.len_k < last * T::kBlockN) {
+      ss.v_ring.wait(st.v);
+      Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutKV{});
+      const int from = seq.len_k - (last - 1) * T::kBlockN;
+      const int count = (T::kBlockN - from) * T::kHeadDim;
+      for (int i = ctid; i < count; i += T::kMmaThreads) {
+        sV(from + i / T::kHeadDim, i % T::kHeadDim, st.v.stage) = Element(0.f);
+      }
+      cutlass::arch::fence_view_async_shared();  // wgmma reads what these threads wrote
+      cutlass::arch::NamedBarrier::sync(T::kMmaThreads, barrier_id(FwdBarrier::kEpilogue));
+    }
     // Block n: issue S(n) and O += P(n + 1)·V(n + 1), softmax of S(n) while the second runs.
     const auto step = [&](int n, bool masked) __attribute__((always_inline)) {
       ss.k_ring.wait(st.k);
@@ -261,7 +295,7 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
   }
 
   // ---- epilogue: normalise, write lse, stage O in shared memory, one TMA store
-  float* lse = p.lse != nullptr ? p.lse + b * p.lse_batch_stride + h * p.lse_head_stride : nullptr;
+  float* lse = p.lse != nullptr ? p.lse + seq.lse_offset(p, b, h) : nullptr;
   const float sink = p.sinks != nullptr ? p.sinks[h] : -INFINITY;  // the head's sink, folded into each row
   CUTE_UNROLL
   for (int r = 0; r < kRows; ++r) {
@@ -272,17 +306,17 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
     CUTE_UNROLL
     for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= inv;
     const int row = m0 + row_base + get<0>(coord_rc(r, 0));
-    if (lse != nullptr && col_base + get<1>(coord_rc(r, 0)) == 0 && row < p.seqlen_q) lse[row] = row_end.lse;
+    if (lse != nullptr && col_base + get<1>(coord_rc(r, 0)) == 0 && row < seq.len_q) lse[row] = row_end.lse;
   }
   if (!any_keys) {
     // No row of the tile sees a key: O is zeros, written straight to global memory (16 bytes a store). The
     // staging buffer is not touched: at head dims above 128 it is Q's, which the producer may already be
     // filling with the next tile's Q (it waits for nothing on a tile it did not load).
     constexpr int kChunks = T::kHeadDim / 8;
-    Element* out = static_cast<Element*>(p.out.data) + b * p.out.batch_stride + h * p.out.head_stride;
+    Element* out = static_cast<Element*>(p.out.data) + seq.q_offset(p.out, b, h);
     for (int i = ctid; i < T::kBlockM * kChunks; i += T::kMmaThreads) {
       const int row = m0 + i / kChunks;
-      if (row < p.seqlen_q) {
+      if (row < seq.len_q) {
         *reinterpret_cast<uint4*>(out + row * p.out.row_stride + (i % kChunks) * 8) = make_uint4(0, 0, 0, 0);
       }
     }
@@ -298,6 +332,30 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
   cutlass::arch::NamedBarrier::sync(T::kMmaThreads, barrier_id(FwdBarrier::kEpilogue));
   if (T::kSeparateO && ctid == 0) cutlass::arch::ClusterBarrier::arrive(&ss.q_empty);
   copy(o_elem, thr_pv.partition_C(sO));
+  if (p.cu_seqlens_q != nullptr) {
+    // Varlen: the rows of the sequence only, 16 bytes a store (8 elements of a row are contiguous in every
+    // swizzle of the staging layout; read one by one all the same).
+    cutlass::arch::NamedBarrier::sync(T::kMmaThreads, barrier_id(FwdBarrier::kEpilogue));
+    constexpr int kChunks = T::kHeadDim / 8;
+    Element* out = static_cast<Element*>(p.out.data) + seq.q_offset(p.out, b, h);
+    for (int i = ctid; i < T::kBlockM * kChunks; i += T::kMmaThreads) {
+      const int r = i / kChunks;
+      const int c = (i % kChunks) * 8;
+      if (m0 + r < seq.len_q) {
+        cutlass::Array<Element, 8> chunk;
+        CUTE_UNROLL
+        for (int e = 0; e < 8; ++e) chunk[e] = sO(r, c + e);
+        *reinterpret_cast<cutlass::Array<Element, 8>*>(out + (m0 + r) * p.out.row_stride + c) = chunk;
+      }
+    }
+    if constexpr (!T::kSeparateO) {
+      // O sits in Q's buffer: the next tile's Q waits until every thread has read it.
+      cutlass::arch::NamedBarrier::sync(T::kMmaThreads, barrier_id(FwdBarrier::kEpilogue));
+      if (ctid == 0) cutlass::arch::ClusterBarrier::arrive(&ss.q_empty);
+    }
+    st.q_phase ^= 1;
+    return;
+  }
   cutlass::arch::fence_view_async_shared();  // the copy engine reads what these threads wrote
   cutlass::arch::NamedBarrier::sync(T::kMmaThreads, barrier_id(FwdBarrier::kEpilogue));
   if (ctid == 0) {
@@ -325,10 +383,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) forward_kernel(const __grid_co
   auto& ss = *reinterpret_cast<typename T::SharedStorage*>(smem);
   AttnParams const& p = params.attn;
   const FwdTileScheduler scheduler{(p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.nheads, p.batch};
-  const policy::WindowMask mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
-  const auto key_blocks = [&](FwdTileCoord tile) {
+  const auto key_blocks = [&](FwdTileCoord tile, Sequence const& seq) {
+    const policy::WindowMask mask{seq.len_q, seq.len_k, p.window_left, p.window_right};
     const int m0 = tile.m_block * T::kBlockM;
-    return policy::key_blocks_of(mask, m0, min(m0 + T::kBlockM, p.seqlen_q), T::kBlockN);
+    return policy::key_blocks_of(mask, m0, min(m0 + T::kBlockM, seq.len_q), T::kBlockN);
   };
 
   const int warp = cutlass::canonical_warp_idx_sync();
@@ -350,8 +408,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) forward_kernel(const __grid_co
       cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
       for (int64_t t = blockIdx.x; t < scheduler.tiles(); t += gridDim.x) {
         const FwdTileCoord tile = scheduler.at(t);
-        const policy::KeyBlocks blocks = key_blocks(tile);
-        if (blocks.first < blocks.last) produce<T>(params, ss, tile, blocks, st);
+        const Sequence seq(p, tile.batch);
+        const policy::KeyBlocks blocks = key_blocks(tile, seq);
+        if (blocks.first < blocks.last) produce<T>(params, ss, tile, seq, blocks, st);
       }
     }
   } else {
@@ -363,7 +422,8 @@ __global__ void __launch_bounds__(T::kThreads, 1) forward_kernel(const __grid_co
     }
     for (int64_t t = blockIdx.x; t < scheduler.tiles(); t += gridDim.x) {
       const FwdTileCoord tile = scheduler.at(t);
-      consume<T>(params, ss, tile, key_blocks(tile), st);
+      const Sequence seq(p, tile.batch);
+      consume<T>(params, ss, tile, seq, key_blocks(tile, seq), st);
     }
     if (threadIdx.x == 128) tma_store_wait<0>();  // the last store has read shared memory before the CTA ends
   }
@@ -381,17 +441,21 @@ auto gmem_view(Ptr ptr, Operand const& t, int tokens, int dim, int heads, int ba
                                                                  tidy(batch, t.batch_stride))));
 }
 
+// q_tokens / k_tokens: the tokens of q and of k and v (varlen: every sequence's; dense: seqlen_q / seqlen_k).
 template <class Element, int kHeadDim>
-cudaError_t launch_forward(AttnParams const& p, cudaStream_t stream) {
+cudaError_t launch_forward(AttnParams const& p, int q_tokens, int k_tokens, cudaStream_t stream) {
   using T = FwdTraits<Element, kHeadDim>;
-  const auto q = gmem_view(static_cast<Element const*>(p.q.data), p.q, p.seqlen_q, p.headdim, p.nheads, p.batch);
-  const auto k =
-      gmem_view(static_cast<Element const*>(p.k.data), p.k, p.seqlen_k, p.headdim, p.nheads_k, p.batch);
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int batches = varlen ? 1 : p.batch;  // a varlen operand is one batch of all its tokens
+  const auto q = gmem_view(static_cast<Element const*>(p.q.data), p.q, q_tokens, p.headdim, p.nheads, batches);
+  const auto k = gmem_view(static_cast<Element const*>(p.k.data), p.k, k_tokens, p.headdim, p.nheads_k, batches);
   const auto v =
-      gmem_view(static_cast<Element const*>(p.v.data), p.v, p.seqlen_k, p.headdim_v, p.nheads_k, p.batch);
-  const auto o = gmem_view(static_cast<Element*>(p.out.data), p.out, p.seqlen_q, p.headdim_v, p.nheads, p.batch);
+      gmem_view(static_cast<Element const*>(p.v.data), p.v, k_tokens, p.headdim_v, p.nheads_k, batches);
+  const auto o = gmem_view(static_cast<Element*>(p.out.data), p.out, q_tokens, p.headdim_v, p.nheads, batches);
   const typename T::Params params{
       p,
+      q_tokens,
+      k_tokens,
       make_tma_copy(SM90_TMA_LOAD{}, q, typename T::SmemLayoutQ{}, Shape<typename T::BlockM, typename T::HeadDim>{},
                     _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename T::SmemLayoutKV{}),
@@ -410,8 +474,9 @@ cudaError_t launch_forward(AttnParams const& p, cudaStream_t stream) {
   if (cudaError_t e = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess) {
     return e;
   }
+  // Varlen tiles differ in cost (and some are past their sequence): one CTA per tile, like a mask's.
   const FwdTileScheduler scheduler{(p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.nheads, p.batch};
-  const int64_t grid = FwdTileScheduler::grid_size(scheduler.tiles(), sm_count, !windowed(p));
+  const int64_t grid = FwdTileScheduler::grid_size(scheduler.tiles(), sm_count, !windowed(p) && !varlen);
   if (grid == 0) return cudaSuccess;
   kernel<<<static_cast<unsigned>(grid), T::kThreads, T::kSmemBytes, stream>>>(params);
   return cudaGetLastError();

@@ -97,6 +97,9 @@ struct FwdTraits {
 
   struct Params {
     AttnParams attn;
+    // Token extents of the TMA views: dense, seqlen_q / seqlen_k (per batch); varlen, every token of q / k.
+    int q_tokens;
+    int k_tokens;
     TmaLoadQ tma_q;
     TmaLoadKV tma_k;
     TmaLoadKV tma_v;
