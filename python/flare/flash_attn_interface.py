@@ -147,8 +147,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     tensors raise NotImplementedError in this release. seqused_k int32 (batch): only its first seqused_k[b]
     keys are used. max_seqlen_q/k: upper bounds, or None/0 to derive them.
     out=: written with the result (and returned). return_softmax_lse: return (out, softmax_lse (nheads,
-    total_q)) instead of out. arch_path: as in flash_attn_func (varlen calls run the sm80 kernels today, so
-    "sm90" refuses them)."""
+    total_q)) instead of out. arch_path: as in flash_attn_func."""
     dropout = _dropout(dropout_p)
     if return_attn_probs and dropout[0] > 0 and not return_softmax_lse:
         raise NotImplementedError("flare: return_attn_probs=True with dropout_p > 0 (S_dmask) is given by the dense "

@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""GPU benchmark of varlen (packed) forwards: flare on the path it picks (auto), flare with the sm80 path
+forced, and FlashAttention 2's varlen forward as torch ships it (torch.ops.aten._flash_attention_forward with
+cumulative sequence lengths), in one process.
+
+Batches: sequences of random lengths (seeded) packed to about --tokens tokens, in two mixes: "long" (512 to
+4096 tokens each) and "short" (64 to 512, as packed fine-tuning data gives); head dims 64 / 128 / 256, bf16,
+causal and not; nheads = --width / head dim. FLOPs count the (query, key) pairs each sequence computes (causal:
+bottom-right, the key count of every row), 4 · pairs · head dim per head. Timing: triton.testing.do_bench
+(CUDA events, L2 flushed, median) of the Python call, which every implementation pays alike. Before timing,
+each implementation's output is compared with flare-sm80's (max abs difference, recorded per row); a
+difference above 2^-5 marks the row "check_failed" and makes the exit status 1.
+
+  python3 bench/gpu/bench_varlen.py --out $OUT       -> $OUT/gpu-varlen-<date>-<sha>.json
+"""
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "python"))
+
+import meta as run_meta  # noqa: E402
+
+MIXES = {"long": (512, 4096), "short": (64, 512)}
+IMPLS = ["flare", "flare-sm80", "fa2-varlen"]
+CHECK_TOLERANCE = 2.0 ** -5
+
+
+def lengths_of(mix, tokens, seed):
+    lo, hi = MIXES[mix]
+    rng = random.Random(seed)
+    lengths = []
+    while sum(lengths) < tokens:
+        lengths.append(min(rng.randint(lo, hi), tokens - sum(lengths)))
+    return lengths
+
+
+def pairs_of(lengths, causal):
+    return sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
+
+
+def make_fns(q, k, v, cu, max_len, causal):
+    import flare
+
+    def flare_fn(path):
+        return lambda: flare.flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, causal=causal,
+                                                    arch_path=path)
+
+    def fa2():
+        return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0, causal, False)[0]
+
+    return {"flare": flare_fn("auto"), "flare-sm80": flare_fn("sm80"), "fa2-varlen": fa2}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--headdims", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
+    ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    ap.add_argument("--warmup-ms", type=float, default=40)
+    ap.add_argument("--rep-ms", type=float, default=120)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    import triton.testing
+
+    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    rows, failed = [], False
+    print(f"{'mix':>5} {'hd':>4} {'causal':>6} {'seqs':>5} | " + " | ".join(f"{i:>10}" for i in IMPLS) +
+                  " | flare/fa2 flare/sm80 (TFLOP/s)", flush=True)
+    for mix in args.mixes:
+        lengths = lengths_of(mix, args.tokens, args.seed)
+        cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32,
+                          device="cuda")
+        max_len, total = max(lengths), sum(lengths)
+        for d in args.headdims:
+            h = args.width // d
+            torch.manual_seed(args.seed)
+            q, k, v = (torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            for causal in causals:
+                flops = 4.0 * h * d * pairs_of(lengths, causal)
+                fns = make_fns(q, k, v, cu, max_len, causal)
+                reference = fns["flare-sm80"]().float()
+                tflops = {}
+                for impl in IMPLS:
+                    row = {"pass": "fwd", "impl": impl, "mix": mix, "headdim": d, "nheads": h, "causal": causal,
+                           "sequences": len(lengths), "tokens": total, "max_seqlen": max_len, "dtype": "bf16"}
+                    try:
+                        err = (fns[impl]().float() - reference).abs().max().item()
+                        ms = triton.testing.do_bench(fns[impl], warmup=args.warmup_ms, rep=args.rep_ms,
+                                                     return_mode="median")
+                    except Exception as e:  # noqa: BLE001 - a peer that refuses a shape is recorded, not fatal
+                        row["skipped"] = f"{type(e).__name__}: {e}"[:300]
+                        rows.append(row)
+                        continue
+                    row.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 2), max_diff_vs_sm80=err)
+                    if err > CHECK_TOLERANCE:
+                        row["check_failed"] = True
+                        failed = True
+                    tflops[impl] = row["tflops"]
+                    rows.append(row)
+                ratio = lambda a, b: (f"{tflops[a] / tflops[b]:.3f}" if a in tflops and b in tflops  # noqa: E731
+                                      else "-")
+                for row in rows[-len(IMPLS):]:
+                    if row["impl"] == "flare" and "tflops" in row:
+                        if "fa2-varlen" in tflops:
+                            row["vs_fa2"] = round(tflops["flare"] / tflops["fa2-varlen"], 3)
+                        row["vs_sm80"] = round(tflops["flare"] / tflops["flare-sm80"], 3)
+                print(f"{mix:>5} {d:>4} {str(causal):>6} {len(lengths):>5} | " +
+                              " | ".join(f"{tflops.get(i, float('nan')):>10.1f}" for i in IMPLS) +
+                              f" | {ratio('flare', 'fa2-varlen'):>9} {ratio('flare', 'flare-sm80'):>10}", flush=True)
+    report = {"meta": {**run_meta.provenance(__file__), **run_meta.device_meta(torch), **run_meta.flare_meta(),
+                       "tokens": args.tokens, "width": args.width, "seed": args.seed, "mixes": MIXES},
+              "rows": rows}
+    path = run_meta.write_result(run_meta.default_result_path(Path(args.out), "gpu-varlen"), report)
+    print(f"wrote {path}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
