@@ -8,6 +8,7 @@
 
 #include "common/error.hpp"
 #include "cuda/decode/plan.hpp"
+#include "cuda/sm90/tile_shape.hpp"
 
 namespace flare::cuda {
 namespace {
@@ -71,8 +72,10 @@ std::string sm90_rejection(const Problem& p, const DeviceProps& dev, const Built
   if (p.dtype != FLARE_DTYPE_F16 && p.dtype != FLARE_DTYPE_BF16) {
     return cat("dtype ", dtype_name(p.dtype), ": the sm90 forward takes fp16 or bf16");
   }
-  if (p.headdim != p.headdim_v) {
-    return cat("headdim ", p.headdim, " with headdim_v ", p.headdim_v, ": the sm90 forward takes equal head dims");
+  if (p.headdim != p.headdim_v && sm90::forward_tile(static_cast<int>(p.headdim), static_cast<int>(p.headdim_v))
+                                        .block_m == 0) {
+    return cat("headdim ", p.headdim, " with headdim_v ", p.headdim_v,
+               ": the sm90 forward takes equal head dims, or headdim 192 with headdim_v 128");
   }
   if (std::find(built.sm90_headdims.begin(), built.sm90_headdims.end(), p.headdim) == built.sm90_headdims.end()) {
     return cat("head dim ", p.headdim, ": the sm90 forward of this build has head dims ",

@@ -129,7 +129,7 @@ TEST(CudaHeuristics, EveryCombinationMapsToAPathThatExists) {
                   ++sm90_runs;
                   EXPECT_EQ(pass, Pass::kForward);
                   EXPECT_TRUE(dev.cc_major == 9 && dev.cc_minor == 0);
-                  EXPECT_EQ(headdim, headdim_v);
+                  EXPECT_TRUE(headdim == headdim_v || (headdim == 192 && headdim_v == 128)) << headdim_v;
                   EXPECT_TRUE(has(built->sm90_headdims, headdim));
                   EXPECT_TRUE(autod.fallback.empty());
                   EXPECT_TRUE(sm80_exists) << "forced sm80 must be able to run what sm90 runs";
@@ -156,9 +156,9 @@ TEST(CudaHeuristics, EveryCombinationMapsToAPathThatExists) {
       }
     }
   }
-  // 5 head dims x 2 dtypes x 10 features in the full build, 1 x 2 x 10 in the 128-only one, on the one sm_90
-  // device.
-  EXPECT_EQ(sm90_runs, 5 * 2 * 10 + 1 * 2 * 10);
+  // (5 equal head dims + the pair 192 / 128) x 2 dtypes x 10 features in the full build, 1 x 2 x 10 in the
+  // 128-only one, on the one sm_90 device.
+  EXPECT_EQ(sm90_runs, 6 * 2 * 10 + 1 * 2 * 10);
 }
 
 TEST(CudaHeuristics, Sm90TakesWhatItCovers) {
@@ -167,6 +167,10 @@ TEST(CudaHeuristics, Sm90TakesWhatItCovers) {
       Problem p = forward_call(d);
       f.apply(p);
       EXPECT_EQ(sm90_rejection(p, kH200, kFull, kSm90Smem), "") << d << " " << f.name;
+      if (d == 192) {
+        p.headdim_v = 128;  // the one pair of unequal head dims with an sm90 configuration
+        EXPECT_EQ(sm90_rejection(p, kH200, kFull, kSm90Smem), "") << "192/128 " << f.name;
+      }
     }
   }
 }
@@ -182,9 +186,14 @@ TEST(CudaHeuristics, FallbacksSayWhy) {
   Problem p = forward_call();
   p.dropout_p = 0.1f;
   EXPECT_EQ(why(p), "dropout takes the sm80 path");
-  p = forward_call(192);
+  p = forward_call(64);
   p.headdim_v = 128;
-  EXPECT_EQ(why(p), "headdim 192 with headdim_v 128: the sm90 forward takes equal head dims");
+  EXPECT_EQ(why(p), "headdim 64 with headdim_v 128: the sm90 forward takes equal head dims, or headdim 192 with "
+                    "headdim_v 128");
+  p = forward_call(128);
+  p.headdim_v = 192;
+  EXPECT_EQ(why(p), "headdim 128 with headdim_v 192: the sm90 forward takes equal head dims, or headdim 192 with "
+                    "headdim_v 128");
   EXPECT_EQ(why(forward_call(80)), "head dim 80: the sm90 forward of this build has head dims 64, 96, 128, 192, 256 "
                                    "(exactly)");
   EXPECT_EQ(why(forward_call(64), kH200, kBuilt128), "head dim 64: the sm90 forward of this build has head dims 128 "

@@ -31,6 +31,7 @@ void expect(bool ok, const char* what, int d, int a = -1, int b = -1) {
 template <class T>
 void check_config() {
   constexpr int d = T::kHeadDim;
+  constexpr int dv = T::kHeadDimV;
   constexpr int M = T::kBlockM, N = T::kBlockN;
   typename T::TiledMmaQK mma_qk;
   typename T::TiledMmaPV mma_pv;
@@ -66,7 +67,7 @@ void check_config() {
       expect(get<0>(a(j)) == get<0>(sc) && get<1>(a(j)) == get<1>(sc), "P element misplaced", d, t, j);
     }
     // O rows are S rows, in the same order.
-    auto o = mma_pv.get_thread_slice(t).partition_C(make_identity_tensor(Shape<Int<M>, Int<d>>{}));
+    auto o = mma_pv.get_thread_slice(t).partition_C(make_identity_tensor(Shape<Int<M>, Int<dv>>{}));
     auto orc = make_tensor(o.data(), acc_rowcol_layout(o.layout()));
     expect(size<0>(orc) == size<0>(rc), "O and S row counts", d);
     for (int r = 0; r < size<0>(orc); ++r) expect(get<0>(orc(r, 0)) == get<0>(rc(r, 0)), "O row differs", d, t, r);
@@ -81,26 +82,31 @@ void check_config() {
   // O: covered once.
   std::set<std::pair<int, int>> o_seen;
   for (int t = 0; t < T::kMmaThreads; ++t) {
-    auto o = mma_pv.get_thread_slice(t).partition_C(make_identity_tensor(Shape<Int<M>, Int<d>>{}));
+    auto o = mma_pv.get_thread_slice(t).partition_C(make_identity_tensor(Shape<Int<M>, Int<dv>>{}));
     for (int i = 0; i < size(o); ++i) expect(o_seen.insert({get<0>(o(i)), get<1>(o(i))}).second, "O twice", d);
   }
-  expect(int(o_seen.size()) == M * d, "O elements covered", d);
+  expect(int(o_seen.size()) == M * dv, "O elements covered", d);
 
   // V's transposed view: element (c, n, s) of Vt is element (n, c, s) of V.
   typename T::SmemLayoutKV kv;
+  typename T::SmemLayoutV v;
   typename T::SmemLayoutVt vt;
   for (int s = 0; s < T::kStages; ++s) {
     for (int n = 0; n < N; ++n) {
-      for (int c = 0; c < d; ++c) expect(vt(c, n, s) == kv(n, c, s), "Vt view", d, n, c);
+      for (int c = 0; c < dv; ++c) expect(vt(c, n, s) == v(n, c, s), "Vt view", d, n, c);
     }
   }
   expect(cosize(typename T::SmemLayoutQ{}) == M * d, "Q buffer is dense", d);
-  expect(cosize(kv) == N * d * T::kStages, "K/V ring is dense", d);
+  expect(cosize(typename T::SmemLayoutO{}) == M * dv, "O buffer is dense", d);
+  expect(T::kSeparateO || cosize(typename T::SmemLayoutO{}) <= cosize(typename T::SmemLayoutQ{}),
+         "O staged in Q's buffer fits it", d);
+  expect(cosize(kv) == N * d * T::kStages, "K ring is dense", d);
+  expect(cosize(v) == N * dv * T::kStages, "V ring is dense", d);
   // The kernels also hold 1 KB of static shared memory (cuobjdump --dump-resource-usage: SHARED:1024).
   expect(T::kSmemBytes + 1024 <= 227 * 1024, "shared storage exceeds the 227 KB of sm_90", d, T::kSmemBytes);
   expect(T::kTile.producer_regs * 128 + T::kTile.consumer_regs * T::kMmaThreads <= 65536, "register split", d);
-  std::printf("hdim %3d: tile %dx%d, %d consumer warpgroups, %d stages, %d bytes of shared memory\n", d, M, N,
-              T::kMmaWarpgroups, T::kStages, T::kSmemBytes);
+  std::printf("hdim %3d/%3d: tile %dx%d, %d consumer warpgroups, %d stages, %d bytes of shared memory%s\n", d, dv,
+              M, N, T::kMmaWarpgroups, T::kStages, T::kSmemBytes, T::kSeparateO ? ", O apart" : "");
 }
 
 }  // namespace
@@ -111,6 +117,7 @@ int main() {
   check_config<FwdTraits<cutlass::bfloat16_t, 128>>();
   check_config<FwdTraits<cutlass::half_t, 192>>();
   check_config<FwdTraits<cutlass::half_t, 256>>();
+  check_config<FwdTraits<cutlass::bfloat16_t, 192, 128>>();
   if (failures) std::printf("%d failures\n", failures);
   else std::printf("all sm90 layout checks hold\n");
   return failures ? 1 : 0;

@@ -43,9 +43,10 @@ def expect_sm90_refusal(run, context=""):
     raise AssertionError(f"the sm90 path was forced and does not claim this call, yet it ran {context}")
 
 # What the sm90 forward claims (src/cuda/heuristics.cpp's rule, stated here independently): fp16/bf16, dense or
-# varlen (with or without seqused_k), equal head dims of these sizes. Everything else must be refused when sm90
-# is forced.
+# varlen (with or without seqused_k), equal head dims of these sizes or head dims 192 / 128 (SM90_HEADDIM_PAIRS).
+# Everything else must be refused when sm90 is forced.
 SM90_HEADDIMS = (64, 96, 128, 192, 256)
+SM90_HEADDIM_PAIRS = ((192, 128),)
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -233,8 +234,9 @@ def reference(case, inputs, round_dtype=None, backward=True):
 def sm90_claims(case):
     """Whether the sm90 forward claims the case."""
     headdim_v = case.headdim if case.headdim_v is None else case.headdim_v
-    return (case.dtype in (torch.float16, torch.bfloat16) and case.headdim == headdim_v
-            and case.headdim in SM90_HEADDIMS)
+    dims_taken = ((case.headdim == headdim_v and case.headdim in SM90_HEADDIMS)
+                  or (case.headdim, headdim_v) in SM90_HEADDIM_PAIRS)
+    return case.dtype in (torch.float16, torch.bfloat16) and dims_taken
 
 
 def check_case(case, backward=True, device=None):

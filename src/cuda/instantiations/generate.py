@@ -26,7 +26,8 @@ SRC = HERE.parent.parent  # src/: the include root and where CMake paths start
 
 # The one list of head dims per arch path. sm80: head-dim tiles, a call runs on the smallest tile >= its head
 # dims (every sm80+ GPU, both passes). sm90: the Hopper forward's head dims, exact (headdim == headdim_v ==
-# one of them; src/cuda/heuristics.cpp has the whole rule).
+# one of them, or 192 with headdim_v 128, which head dim 192's units also hold; src/cuda/heuristics.cpp has the
+# whole rule).
 ARCHS = {
     "sm80": {"passes": ("fwd", "bwd"), "headdims": (32, 64, 96, 128, 160, 192, 224, 256)},
     "sm90": {"passes": ("fwd",), "headdims": (64, 96, 128, 192, 256)},
@@ -148,7 +149,8 @@ def head_dims_hpp():
 namespace flare::cuda {{
 
 // Ascending. kSm80HeadDims: head-dim tiles of the sm80 kernels (a call runs on the smallest tile >= its
-// head dims). kSm90HeadDims: head dims of the sm90 forward (a call needs headdim == headdim_v == one of them).
+// head dims). kSm90HeadDims: head dims of the sm90 forward (a call needs headdim == headdim_v == one of them,
+// or headdim 192 with headdim_v 128, in head dim 192's units).
 // A build compiles those of FLARE_HEADDIMS (and the sm90 ones only with FLARE_SM90): dispatch.hpp says which.
 {lists}
 

@@ -22,6 +22,8 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
@@ -108,22 +110,22 @@ __device__ __forceinline__ void produce(typename T::Params const& params, typena
                          Shape<typename T::BlockM, typename T::HeadDim>{}, make_coord(tile.m_block, _0{}));  // (M, D)
   Tensor gK = local_tile(sequence_view(mK, hk, tile.batch, varlen, k0), Shape<typename T::BlockN, typename T::HeadDim>{},
                          make_coord(_, _0{}));  // (N, D, n)
-  Tensor gV = local_tile(sequence_view(mV, hk, tile.batch, varlen, k0), Shape<typename T::BlockN, typename T::HeadDim>{},
+  Tensor gV = local_tile(sequence_view(mV, hk, tile.batch, varlen, k0), Shape<typename T::BlockN, typename T::HeadDimV>{},
                          make_coord(_, _0{}));  // (N, D, n)
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutKV{});
-  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutV{});
   auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
   auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
   auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
 
   const auto load_k = [&](int n) {
-    uint64_t& full = ss.k_ring.acquire(st.k, T::kKVBytes);
+    uint64_t& full = ss.k_ring.acquire(st.k, T::kKBytes);
     copy(params.tma_k.with(full, 0, TMA::CacheHintSm90::EVICT_LAST), tKgK(_, n), tKsK(_, st.k.stage));
     st.k.advance();
   };
   const auto load_v = [&](int n) {
-    uint64_t& full = ss.v_ring.acquire(st.v, T::kKVBytes);
+    uint64_t& full = ss.v_ring.acquire(st.v, T::kVBytes);
     copy(params.tma_v.with(full, 0, TMA::CacheHintSm90::EVICT_LAST), tVgV(_, n), tVsV(_, st.v.stage));
     st.v.advance();
   };
@@ -151,7 +153,7 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
   using Element = typename T::Element;
   using BlockM = typename T::BlockM;
   using BlockN = typename T::BlockN;
-  using HeadDim = typename T::HeadDim;
+  using HeadDimV = typename T::HeadDimV;
   AttnParams const& p = params.attn;
   const int ctid = threadIdx.x - 128;  // thread index among the consumers
   const int wg = ctid / 128;           // consumer warpgroup
@@ -173,7 +175,7 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
   Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
   Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<BlockM, BlockN>{});   // ((2, 2, N/8), 1, 1)
-  Tensor tOrO = partition_fragment_C(mma_pv, Shape<BlockM, HeadDim>{});  // ((2, 2, D/8), 1, 1)
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<BlockM, HeadDimV>{});  // ((2, 2, Dv/8), 1, 1)
   Tensor tOrP = make_tensor<Element>(acc_as_a_layout(tSrS.layout()));    // ((2, 2, 2), 1, N/16)
   clear(tOrO);
   Tensor s_rc = acc_rowcol(tSrS);
@@ -248,11 +250,11 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
     // holds none).
     if ((p.cu_seqlens_k != nullptr || p.seqused_k != nullptr) && seq.len_k < last * T::kBlockN) {
       ss.v_ring.wait(st.v);
-      Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutKV{});
+      Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutV{});
       const int from = seq.len_k - (last - 1) * T::kBlockN;
-      const int count = (T::kBlockN - from) * T::kHeadDim;
+      const int count = (T::kBlockN - from) * T::kHeadDimV;
       for (int i = ctid; i < count; i += T::kMmaThreads) {
-        sV(from + i / T::kHeadDim, i % T::kHeadDim, st.v.stage) = Element(0.f);
+        sV(from + i / T::kHeadDimV, i % T::kHeadDimV, st.v.stage) = Element(0.f);
       }
       cutlass::arch::fence_view_async_shared();  // wgmma reads what these threads wrote
       cutlass::arch::NamedBarrier::sync(T::kMmaThreads, barrier_id(FwdBarrier::kEpilogue));
@@ -312,7 +314,7 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
     // No row of the tile sees a key: O is zeros, written straight to global memory (16 bytes a store). The
     // staging buffer is not touched: at head dims above 128 it is Q's, which the producer may already be
     // filling with the next tile's Q (it waits for nothing on a tile it did not load).
-    constexpr int kChunks = T::kHeadDim / 8;
+    constexpr int kChunks = T::kHeadDimV / 8;
     Element* out = static_cast<Element*>(p.out.data) + seq.q_offset(p.out, b, h);
     for (int i = ctid; i < T::kBlockM * kChunks; i += T::kMmaThreads) {
       const int row = m0 + i / kChunks;
@@ -325,7 +327,7 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
   Tensor o_elem = make_tensor<Element>(tOrO.layout());
   convert_into(o_elem, tOrO);
   Element* o_buffer = T::kSeparateO ? ss.o.data() : ss.q.data();
-  Tensor sO = make_tensor(make_smem_ptr(o_buffer), typename T::SmemLayoutQ{});
+  Tensor sO = make_tensor(make_smem_ptr(o_buffer), typename T::SmemLayoutO{});
   // The previous tile's store has read the staging buffer (only its issuing thread can wait for that).
   if (ctid == 0) tma_store_wait<0>();
   // Every warpgroup is done with Q (all its S products have completed) and the buffer is free.
@@ -336,7 +338,7 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
     // Varlen: the rows of the sequence only, 16 bytes a store (8 elements of a row are contiguous in every
     // swizzle of the staging layout; read one by one all the same).
     cutlass::arch::NamedBarrier::sync(T::kMmaThreads, barrier_id(FwdBarrier::kEpilogue));
-    constexpr int kChunks = T::kHeadDim / 8;
+    constexpr int kChunks = T::kHeadDimV / 8;
     Element* out = static_cast<Element*>(p.out.data) + seq.q_offset(p.out, b, h);
     for (int i = ctid; i < T::kBlockM * kChunks; i += T::kMmaThreads) {
       const int r = i / kChunks;
@@ -360,7 +362,7 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
   cutlass::arch::NamedBarrier::sync(T::kMmaThreads, barrier_id(FwdBarrier::kEpilogue));
   if (ctid == 0) {
     Tensor mO = params.tma_o.get_tma_tensor(make_shape(p.seqlen_q, p.headdim_v, p.nheads, p.batch));
-    Tensor gO = local_tile(mO(_, _, h, b), Shape<BlockM, HeadDim>{}, make_coord(tile.m_block, _0{}));
+    Tensor gO = local_tile(mO(_, _, h, b), Shape<BlockM, HeadDimV>{}, make_coord(tile.m_block, _0{}));
     auto [tOgO, tOsO] = tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO),
                                       group_modes<0, 2>(gO));
     copy(params.tma_o, tOsO, tOgO);
@@ -442,9 +444,9 @@ auto gmem_view(Ptr ptr, Operand const& t, int tokens, int dim, int heads, int ba
 }
 
 // q_tokens / k_tokens: the tokens of q and of k and v (varlen: every sequence's; dense: seqlen_q / seqlen_k).
-template <class Element, int kHeadDim>
-cudaError_t launch_forward(AttnParams const& p, int q_tokens, int k_tokens, cudaStream_t stream) {
-  using T = FwdTraits<Element, kHeadDim>;
+template <class Element, int kHeadDim, int kHeadDimV>
+cudaError_t launch_forward_as(AttnParams const& p, int q_tokens, int k_tokens, cudaStream_t stream) {
+  using T = FwdTraits<Element, kHeadDim, kHeadDimV>;
   const bool varlen = p.cu_seqlens_q != nullptr;
   const int batches = varlen ? 1 : p.batch;  // a varlen operand is one batch of all its tokens
   const auto q = gmem_view(static_cast<Element const*>(p.q.data), p.q, q_tokens, p.headdim, p.nheads, batches);
@@ -460,10 +462,10 @@ cudaError_t launch_forward(AttnParams const& p, int q_tokens, int k_tokens, cuda
                     _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename T::SmemLayoutKV{}),
                     Shape<typename T::BlockN, typename T::HeadDim>{}, _1{}),
-      make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename T::SmemLayoutKV{}),
-                    Shape<typename T::BlockN, typename T::HeadDim>{}, _1{}),
-      make_tma_copy(SM90_TMA_STORE{}, o, typename T::SmemLayoutQ{},
-                    Shape<typename T::BlockM, typename T::HeadDim>{}, _1{})};
+      make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename T::SmemLayoutV{}),
+                    Shape<typename T::BlockN, typename T::HeadDimV>{}, _1{}),
+      make_tma_copy(SM90_TMA_STORE{}, o, typename T::SmemLayoutO{},
+                    Shape<typename T::BlockM, typename T::HeadDimV>{}, _1{})};
   const auto kernel = forward_kernel<T>;
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
       e != cudaSuccess) {
@@ -482,9 +484,26 @@ cudaError_t launch_forward(AttnParams const& p, int q_tokens, int k_tokens, cuda
   return cudaGetLastError();
 }
 
+// The head dims whose unit also holds a configuration for a narrower V: head dim 192's, V's head dim 128.
+constexpr int narrow_v_of(int head_dim) { return head_dim == 192 ? 128 : 0; }
+
+// Runs the forward of the call's head dims: (kHeadDim, kHeadDim), or (kHeadDim, narrow_v_of(kHeadDim)).
+template <class Element, int kHeadDim>
+cudaError_t launch_forward(AttnParams const& p, int q_tokens, int k_tokens, cudaStream_t stream) {
+  constexpr int kNarrowV = narrow_v_of(kHeadDim);
+  if constexpr (kNarrowV != 0) {
+    if (p.headdim_v == kNarrowV) return launch_forward_as<Element, kHeadDim, kNarrowV>(p, q_tokens, k_tokens, stream);
+  }
+  return launch_forward_as<Element, kHeadDim, kHeadDim>(p, q_tokens, k_tokens, stream);
+}
+
+// Shared memory the unit's configurations take per block (the largest, for the device-capacity check).
 template <class Element, int kHeadDim>
 int forward_smem_bytes_as() {
-  return FwdTraits<Element, kHeadDim>::kSmemBytes;
+  constexpr int kNarrowV = narrow_v_of(kHeadDim);
+  int bytes = FwdTraits<Element, kHeadDim>::kSmemBytes;
+  if constexpr (kNarrowV != 0) bytes = std::max(bytes, FwdTraits<Element, kHeadDim, kNarrowV>::kSmemBytes);
+  return bytes;
 }
 
 }  // namespace flare::cuda::sm90
