@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU benchmark of varlen (packed) forwards: flare on the path it picks (auto), flare with the sm80 path
+"""GPU benchmark of varlen (packed) forwards, and of dense forwards at head dims 192 / 128: flare on the path it picks (auto), flare with the sm80 path
 forced, and FlashAttention 2's varlen forward as torch ships it (torch.ops.aten._flash_attention_forward with
 cumulative sequence lengths), in one process.
 
@@ -10,6 +10,10 @@ bottom-right, the key count of every row), 4 · pairs · head dim per head. Timi
 (CUDA events, L2 flushed, median) of the Python call, which every implementation pays alike. Before timing,
 each implementation's output is compared with flare-sm80's (max abs difference, recorded per row); a
 difference above 2^-5 marks the row "check_failed" and makes the exit status 1.
+
+Group "pair" (dense, not varlen): head dims 192 with V's 128 (DeepSeek-style prefill), --tokens tokens of one
+sequence length each (2K and 8K), causal and not, flare auto and flare-sm80 against torch SDPA's cuDNN backend
+where it takes the shape; FLOPs 2 · b · h · sq · sk · (d + dv), halved when causal.
 
   python3 bench/gpu/bench_varlen.py --out $OUT       -> $OUT/gpu-varlen-<date>-<sha>.json
 """
@@ -60,6 +64,63 @@ def make_fns(q, k, v, cu, max_len, causal):
     return {"flare": flare_fn("auto"), "flare-sm80": flare_fn("sm80"), "fa2-varlen": fa2}
 
 
+def run_pairs(args, causals, rows):
+    """Dense forwards at head dims 192 / 128: flare auto (the sm90 path), flare-sm80, torch cuDNN."""
+    import flare
+    import torch.nn.functional as F
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    d, dv, failed = 192, 128, False
+    impls = ["flare", "flare-sm80", "torch-cudnn"]
+    print(f"{'hd':>7} {'seqlen':>6} {'causal':>6} | " + " | ".join(f"{i:>11}" for i in impls) +
+          " | flare/cudnn flare/sm80 (TFLOP/s)", flush=True)
+    for seqlen in (2048, 8192):
+        b, h = max(1, args.tokens // seqlen), args.width // d
+        torch.manual_seed(args.seed)
+        q, k = (torch.randn(b, seqlen, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        v = torch.randn(b, seqlen, h, dv, device="cuda", dtype=torch.bfloat16)
+        qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+        for causal in causals:
+            flops = 2.0 * b * h * seqlen * seqlen * (d + dv) * (0.5 if causal else 1.0)
+
+            def cudnn():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
+
+            fns = {"flare": lambda: flare.flash_attn_func(q, k, v, causal=causal),
+                   "flare-sm80": lambda: flare.flash_attn_func(q, k, v, causal=causal, arch_path="sm80"),
+                   "torch-cudnn": cudnn}
+            reference = fns["flare-sm80"]().float()
+            tflops = {}
+            for impl in impls:
+                row = {"pass": "fwd", "group": "pair", "impl": impl, "batch": b, "nheads": h, "seqlen_q": seqlen,
+                       "seqlen_k": seqlen, "headdim": d, "headdim_v": dv, "causal": causal, "dtype": "bf16"}
+                try:
+                    err = (fns[impl]().float() - reference).abs().max().item()
+                    ms = triton.testing.do_bench(fns[impl], warmup=args.warmup_ms, rep=args.rep_ms,
+                                                 return_mode="median")
+                except Exception as e:  # noqa: BLE001 - a peer that refuses a shape is recorded, not fatal
+                    row["skipped"] = f"{type(e).__name__}: {e}"[:300]
+                    rows.append(row)
+                    continue
+                row.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 2), max_diff_vs_sm80=err)
+                if err > CHECK_TOLERANCE:
+                    row["check_failed"] = True
+                    failed = True
+                tflops[impl] = row["tflops"]
+                rows.append(row)
+            for row in rows[-len(impls):]:
+                if row["impl"] == "flare" and "tflops" in row:
+                    if "torch-cudnn" in tflops:
+                        row["vs_cudnn"] = round(tflops["flare"] / tflops["torch-cudnn"], 3)
+                    row["vs_sm80"] = round(tflops["flare"] / tflops["flare-sm80"], 3)
+            ratio = lambda a, c: f"{tflops[a] / tflops[c]:.3f}" if a in tflops and c in tflops else "-"  # noqa: E731
+            print(f"{d:>3}/{dv:<3} {seqlen:>6} {str(causal):>6} | " +
+                  " | ".join(f"{tflops.get(i, float('nan')):>11.1f}" for i in impls) +
+                  f" | {ratio('flare', 'torch-cudnn'):>11} {ratio('flare', 'flare-sm80'):>10}", flush=True)
+    return failed
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results")
@@ -71,6 +132,7 @@ def main(argv=None):
     ap.add_argument("--warmup-ms", type=float, default=40)
     ap.add_argument("--rep-ms", type=float, default=120)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--groups", nargs="+", default=["varlen", "pair"], choices=["varlen", "pair"])
     args = ap.parse_args(argv)
     import triton.testing
 
@@ -78,7 +140,7 @@ def main(argv=None):
     rows, failed = [], False
     print(f"{'mix':>5} {'hd':>4} {'causal':>6} {'seqs':>5} | " + " | ".join(f"{i:>10}" for i in IMPLS) +
                   " | flare/fa2 flare/sm80 (TFLOP/s)", flush=True)
-    for mix in args.mixes:
+    for mix in (args.mixes if "varlen" in args.groups else []):
         lengths = lengths_of(mix, args.tokens, args.seed)
         cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32,
                           device="cuda")
@@ -119,6 +181,8 @@ def main(argv=None):
                 print(f"{mix:>5} {d:>4} {str(causal):>6} {len(lengths):>5} | " +
                               " | ".join(f"{tflops.get(i, float('nan')):>10.1f}" for i in IMPLS) +
                               f" | {ratio('flare', 'fa2-varlen'):>9} {ratio('flare', 'flare-sm80'):>10}", flush=True)
+    if "pair" in args.groups:
+        failed |= run_pairs(args, causals, rows)
     report = {"meta": {**run_meta.provenance(__file__), **run_meta.device_meta(torch), **run_meta.flare_meta(),
                        "tokens": args.tokens, "width": args.width, "seed": args.seed, "mixes": MIXES},
               "rows": rows}

@@ -149,8 +149,7 @@ def head_dims_hpp():
 namespace flare::cuda {{
 
 // Ascending. kSm80HeadDims: head-dim tiles of the sm80 kernels (a call runs on the smallest tile >= its
-// head dims). kSm90HeadDims: head dims of the sm90 forward (a call needs headdim == headdim_v == one of them,
-// or headdim 192 with headdim_v 128, in head dim 192's units).
+// head dims). kSm90HeadDims: head dims of the sm90 forward (a call needs headdim == headdim_v == one of them).
 // A build compiles those of FLARE_HEADDIMS (and the sm90 ones only with FLARE_SM90): dispatch.hpp says which.
 {lists}
 
