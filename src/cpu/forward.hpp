@@ -223,6 +223,41 @@ inline void finish_rows(const Problem& p, T* o, int64_t ldo, const T* m, const T
   }
 }
 
+// Blocks a tile sees this few keys of take few_key_scores rather than the tile product: at 16 columns (one
+// AVX-512 vector of fp32) the product broadcasts every query element for a single panel row, where a dot
+// product per key costs head dim / W multiply-adds and a horizontal sum (FlashAttention's race shapes, 239
+// queries against 1 key and 799 against 3; docs/tuning-cpu.md).
+inline constexpr int64_t kDotKeys = 4;
+
+// S[r][c] = q_r . k_c for the n (<= kDotKeys) keys of a block a tile sees, zero for columns [n, cols), which
+// the mask then hides. The keys' rows are gathered once from the K^T panel into `stage` (n x d).
+template <class T>
+inline void few_key_scores(int64_t rows, int64_t d, const T* q, int64_t ldq, const PanelsB<T>& kt, int64_t n,
+                           int64_t cols, T* stage, T* s, int64_t lds) {
+  constexpr int W = Simd<T>::W;
+  constexpr int64_t w = kPanelCols<T>;
+  for (int64_t c = 0; c < n; ++c) {
+    for (int64_t k = 0; k < d; ++k) stage[c * d + k] = kt.b[panel_offset(k, c, kt.k_stored, kt.n_stored, w)];
+  }
+  const int64_t whole = d / W * W;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* qr = q + r * ldq;
+    if (r + 8 < rows) {
+      for (int64_t k = 0; k < d; k += 64 / static_cast<int64_t>(sizeof(T))) __builtin_prefetch(qr + 8 * ldq + k);
+    }
+    T* sr = s + r * lds;
+    for (int64_t c = 0; c < n; ++c) {
+      const T* kr = stage + c * d;
+      vec_t<T> acc{};
+      for (int64_t k = 0; k < whole; k += W) acc += vload(qr + k) * vload(kr + k);
+      T x = hsum(acc);
+      for (int64_t k = whole; k < d; ++k) x += qr[k] * kr[k];
+      sr[c] = x;
+    }
+    for (int64_t c = n; c < cols; ++c) sr[c] = T(0);
+  }
+}
+
 // The query tiles of one visit: ntiles (<= kTilesPerVisit) tiles of kBq rows from i0 (those past the
 // sequence end are skipped) of head h, each against every key block it sees, the tiles taking each key
 // block in turn. Against one tile per task: +3-5% at seqlen 8192 and level at 512-2048, causal too (Zen 4,
@@ -290,11 +325,17 @@ inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int6
       Tile& tl = tiles[g];
       const int64_t first = tl.keys.first, last = tl.keys.last, rows = tl.rows;
       if (first > last || kb < first / Bk || kb > last / Bk) continue;
-      // The last block is cut after the last visible key (causal diagonals, short sequences).
-      const int64_t cols = smin(Bk, round_up(last + 1 - j0, W));
+      // The last block is cut after the last visible key (causal diagonals, short sequences): the scores to
+      // its vector width, P V to the key itself (P is 0 past it, and a product step per key is what P V costs).
+      const int64_t seen = smin(Bk, last + 1 - j0);
+      const int64_t cols = smin(Bk, round_up(seen, W));
       // Products over the tile's rows alone: a short sequence's tile (a decode-like query or the end of one)
-      // costs its rows, not kBq.
-      gemm_tile_panels<T, false>(rows, cols, d, tl.q, ldq, key_panels<T, Tiles>(p, t, kb), t.s, Bk);
+      // costs its rows, not kBq. A block the tile sees at most kDotKeys keys of takes dot products instead.
+      if (seen <= kDotKeys) {
+        few_key_scores<T>(rows, d, tl.q, ldq, key_panels<T, Tiles>(p, t, kb), seen, cols, t.p, t.s, Bk);
+      } else {
+        gemm_tile_panels<T, false>(rows, cols, d, tl.q, ldq, key_panels<T, Tiles>(p, t, kb), t.s, Bk);
+      }
       if (!plain || !block_fully_visible(mask, tl.i0, rows, j0, cols))
         shape_scores<T>(t.s, Bk, rows, cols, tl.i0, j0, mask, shape, nullptr);
       for (int64_t r = 0; r < rows; ++r) {
@@ -307,9 +348,9 @@ inline void forward_tiles(const Problem& p, const Sequence& seq, int64_t h, int6
         if (alpha != T(1) && tl.started) scale_row<T>(tl.o + r * dvp, dvp, alpha);
       }
       if (tl.started) {
-        gemm_tile_panels<T, true>(rows, dvp, cols, t.p, Bk, value_panels<T, Tiles>(ws, t, kb), tl.o, dvp);
+        gemm_tile_panels<T, true>(rows, dvp, seen, t.p, Bk, value_panels<T, Tiles>(ws, t, kb), tl.o, dvp);
       } else {
-        gemm_tile_panels<T, false>(rows, dvp, cols, t.p, Bk, value_panels<T, Tiles>(ws, t, kb), tl.o, dvp);
+        gemm_tile_panels<T, false>(rows, dvp, seen, t.p, Bk, value_panels<T, Tiles>(ws, t, kb), tl.o, dvp);
         tl.started = true;
       }
       add_seen_nonfinite_values<T>(p, seq, h, t.v_flags + j0, j0, cols, tl.i0, rows, tl.o, dvp);

@@ -114,5 +114,30 @@ TEST(ForwardShapes, ThreadCounts) {
     }
 }
 
+TEST(ForwardShapes, FewVisibleKeysInABlock) {
+  // Key blocks a query tile sees at most kDotKeys (4) keys of take dot products for the scores, and P V stops
+  // at the last visible key (forward.hpp); bf16 calls whose sequences have at most 4 keys run that engine too.
+  // Whole calls of 1-5 keys, a last block of 1-4 keys after whole ones (257-260), causal diagonals and window
+  // edges that leave a tile few keys, with softcap, ALiBi and sinks, GQA, head dims off the vector width.
+  Rng rng;
+  const struct {
+    int64_t seqlen_q, seqlen_k, headdim;
+  } shapes[] = {{239, 1, 64}, {70, 2, 40}, {799, 3, 64}, {33, 4, 72}, {17, 5, 16}, {5, 257, 64}, {260, 260, 48},
+                {3, 258, 128}};
+  for (flare_dtype dtype : {FLARE_DTYPE_F32, FLARE_DTYPE_BF16, FLARE_DTYPE_F16, FLARE_DTYPE_F64}) {
+    for (const auto& s : shapes) {
+      AttnCase c = dense_case(dtype, rng.integer(1, 2), s.seqlen_q, s.seqlen_k, 4, rng.coin() ? 4 : 2, s.headdim,
+                              s.headdim);
+      switch (rng.integer(0, 3)) {
+        case 0: break;
+        case 1: c.causal = true; break;
+        case 2: c.window_left = 2, c.window_right = 1; break;
+        default: c.softcap = 5.0f, c.alibi = AlibiMode::kPerHead, c.sinks = true; break;
+      }
+      check_forward(c, rng);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace flare::test
