@@ -310,13 +310,22 @@ struct FmaBackward {
   }
 };
 
-// Key blocks a thread takes together against each query tile: Engine::kKeyBlocksPerStep, else 1.
+// Key blocks a thread takes together against each query tile: Engine::kKeyBlocksPerStep, else 1 (the most a
+// step takes); a call's own count where the engine picks one per call (Engine::key_blocks_for), else that.
 template <class Engine>
 constexpr int64_t key_blocks_per_step() {
   if constexpr (requires { Engine::kKeyBlocksPerStep; }) {
     return Engine::kKeyBlocksPerStep;
   } else {
     return 1;
+  }
+}
+template <class Engine>
+inline int64_t key_blocks_per_step(const Problem& p) {
+  if constexpr (requires { Engine::key_blocks_for(p); }) {
+    return smin(Engine::key_blocks_for(p), key_blocks_per_step<Engine>());
+  } else {
+    return key_blocks_per_step<Engine>();
   }
 }
 
@@ -336,7 +345,7 @@ inline void backward_group(const Problem& p, const Sequence& seq, int64_t hk, co
     // Round-robin steps of G key blocks: under a causal mask late key blocks have fewer queries. A step walks
     // the union of its blocks' query tiles, each tile against each of its blocks that it sees, so that a
     // query tile's packs and dQ rows are read once per step rather than once per block.
-    const int64_t per_step = units_per_task<Shared>(G, nkb, nt);
+    const int64_t per_step = units_per_task<Shared>(key_blocks_per_step<Engine>(p), nkb, nt);
     const int64_t nsteps = (nkb + per_step - 1) / per_step;
     team_loop<Shared, Schedule::kRoundRobin>(nsteps, [&](int64_t step) {
       const int64_t kb0 = step * per_step, kb1 = smin(kb0 + per_step, nkb);

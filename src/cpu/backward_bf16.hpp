@@ -22,6 +22,13 @@ struct Bf16Backward {
   using Word = typename Product::Word;
   static constexpr int64_t kBq = Bf16Tiles::kBackwardBq, kBk = Bf16Tiles::kBackwardBk;
   static constexpr int64_t kKeyBlocksPerStep = Product::kKeyBlocksPerStep;
+  static int64_t key_blocks_for(const Problem& p) {
+    if constexpr (requires { Product::key_blocks_for(p); }) {
+      return Product::key_blocks_for(p);
+    } else {
+      return kKeyBlocksPerStep;
+    }
+  }
 
   struct Scratch {
     typename Product::BackwardDims dims;
