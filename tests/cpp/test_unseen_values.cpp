@@ -341,6 +341,7 @@ TEST(UnseenValues, BackwardCausalMaskedKeys) {
   for (flare_dtype dtype : kDtypes) {
     dense_backward_case(dtype, 1, -1, 0.0f, 150, kNaN, 1.0, 2 * 150);   // NaN in V: rows 0..149 cannot see key 150
     dense_backward_case(dtype, 1, -1, 0.0f, 200, 1.0, kNaN, 2 * 200);   // NaN in K
+    dense_backward_case(dtype, 1, -1, 0.0f, 200, 1.0, kNaN, 2 * 200, 128);  // the bf16 Kᵀ written apart from K
     dense_backward_case(dtype, 1, -1, 0.0f, 299, kInf, -kInf, 2 * 299);  // only the last row sees it
     dense_backward_case(dtype, 1, -1, 30.0f, 100, kNaN, kInf, 2 * 100);  // softcap: the masked tanh is NaN
   }
