@@ -89,23 +89,27 @@ struct AmxProduct {
     static constexpr int64_t kBq = Bf16Tiles::kBackwardBq, kBk = Bf16Tiles::kBackwardBk;
     int64_t dpad = 0, dvpad = 0;   // head dims padded to 32
     int64_t nk = 0, nq = 0;        // sequence lengths padded to whole blocks and tiles
+    // Row strides of Kᵀ (words) and dQᵀ (floats): the lengths and one cache line more. Power-of-two lengths
+    // would put the dpad rows a tile load or store walks power-of-two bytes apart, in the same cache sets.
+    int64_t nk_ld = 0, nq_ld = 0;
     // Words of each pack (per group: K, V rows and Kᵀ; per query head: Q and dO along d / dv and along
     // queries), of the tile's dSᵀ repacked for dQ, and the shapes of the fp32 accumulators.
     int64_t k_rows() const { return nk * dpad; }
     int64_t v_rows() const { return nk * dvpad; }
-    int64_t k_for_dq() const { return dpad * nk; }
+    int64_t k_for_dq() const { return dpad * nk_ld; }
     int64_t q_by_d() const { return nq * dpad; }
     int64_t do_by_dv() const { return nq * dvpad; }
     int64_t q_by_query() const { return nq * dpad; }
     int64_t do_by_query() const { return nq * dvpad; }
     int64_t ds_for_dq() const { return kBk * kBq; }
-    int64_t dk_ld() const { return dpad; }
-    int64_t dv_ld() const { return dvpad; }
-    int64_t dq_size() const { return dpad * nq; }
-    int64_t dq_at(int64_t i, int64_t c) const { return c * nq + i; }  // dQᵀ
+    // dK and dV rows: the head dims and one cache line more (the same set conflict at head dims 256 and 512).
+    int64_t dk_ld() const { return dpad + 16; }
+    int64_t dv_ld() const { return dvpad + 16; }
+    int64_t dq_size() const { return dpad * nq_ld; }
+    int64_t dq_at(int64_t i, int64_t c) const { return c * nq_ld + i; }  // dQᵀ
   };
   static BackwardDims backward_dims(const Problem& p, int64_t nq, int64_t nk) {
-    return {round_up(p.headdim, 32), round_up(p.headdim_v, 32), nk, nq};
+    return {round_up(p.headdim, 32), round_up(p.headdim_v, 32), nk, nq, nk + 32, nq + 16};
   }
 
   // Keys [j0, j0 + kBk): K and V rows and Kᵀ (zero-padded), the last the operand of the dQ product. Kᵀ takes
@@ -114,7 +118,7 @@ struct AmxProduct {
   // without it the loop stays scalar and the backward runs up to 20% slower at seqlen 512.
   static void pack_keys(const BackwardDims& dm, const Problem& p, const RowPtr& krows, const RowPtr& vrows,
                         int64_t seqlen_k, int64_t j0, Word* k, Word* v, Word* kt) {
-    // Kᵀ's rows are dm.nk words apart: a key's column written whole touches dpad lines one stride apart,
+    // Kᵀ's rows are dm.nk_ld words apart: a key's column written whole touches dpad lines one stride apart,
     // which share cache sets at power-of-two key counts. Up to 64 columns that is cheap and Kᵀ is written
     // with K; from 128 it is written afterwards from the packed rows in 16 x 16 blocks (head dims 128-512:
     // 7-20% faster backward; docs/tuning-cpu.md).
@@ -127,7 +131,7 @@ struct AmxProduct {
         for (int64_t c = 0; c < dm.dpad; ++c) {
           const uint16_t x = (in && c < p.headdim) ? ksrc[c] : uint16_t(0);
           k[j * dm.dpad + c] = x;
-          if constexpr (decltype(kt_with_k)::value) kt[c * dm.nk + j] = finite(x);
+          if constexpr (decltype(kt_with_k)::value) kt[c * dm.nk_ld + j] = finite(x);
         }
         for (int64_t c = 0; c < dm.dvpad; ++c) v[j * dm.dvpad + c] = (in && c < p.headdim_v) ? vsrc[c] : uint16_t(0);
       }
@@ -137,7 +141,7 @@ struct AmxProduct {
     for (int64_t c0 = 0; c0 < dm.dpad; c0 += 16) {
       for (int64_t jb = j0; jb < j0 + dm.kBk; jb += 16) {
         for (int64_t c = c0; c < smin(c0 + 16, dm.dpad); ++c) {
-          for (int64_t j = jb; j < jb + 16; ++j) kt[c * dm.nk + j] = finite(k[j * dm.dpad + c]);
+          for (int64_t j = jb; j < jb + 16; ++j) kt[c * dm.nk_ld + j] = finite(k[j * dm.dpad + c]);
         }
       }
     }
@@ -168,18 +172,18 @@ struct AmxProduct {
   static void pack_ds(const BackwardDims& dm, const uint16_t* ds, Word* ds_for_dq) {
     pack_b_n_along_rows(ds_for_dq, dm.kBk / 32, 0, dm.kBk, dm.kBq, dm.kBq, [&](int64_t r) { return ds + r * dm.kBq; });
   }
-  // dV (the block's rows, ld dvpad) += Pᵀ dO.
+  // dV (the block's rows, dv_ld() apart) += Pᵀ dO.
   static void add_dv(const BackwardDims& dm, const uint16_t* p, const Word* do_by_query, int64_t i0, float* dv) {
-    amx_gemm<true>(dm.kBk, dm.dvpad, dm.kBq, p, dm.kBq, do_by_query, dm.nq / 32, 0, i0 / 32, dv, dm.dvpad);
+    amx_gemm<true>(dm.kBk, dm.dvpad, dm.kBq, p, dm.kBq, do_by_query, dm.nq / 32, 0, i0 / 32, dv, dm.dv_ld());
   }
-  // dK (the block's rows, ld dpad) += dSᵀ Q.
+  // dK (the block's rows, dk_ld() apart) += dSᵀ Q.
   static void add_dk(const BackwardDims& dm, const uint16_t* ds, const Word* q_by_query, int64_t i0, float* dk) {
-    amx_gemm<true>(dm.kBk, dm.dpad, dm.kBq, ds, dm.kBq, q_by_query, dm.nq / 32, 0, i0 / 32, dk, dm.dpad);
+    amx_gemm<true>(dm.kBk, dm.dpad, dm.kBq, ds, dm.kBq, q_by_query, dm.nq / 32, 0, i0 / 32, dk, dm.dk_ld());
   }
   // dQᵀ (the whole sequence's) += Kᵀ dSᵀ for keys from j0 and the query tile at i0.
   static void add_dq(const BackwardDims& dm, const Word* kt, const Word* ds_for_dq, int64_t j0, int64_t i0,
                      float* dq) {
-    amx_gemm<true>(dm.dpad, dm.kBq, dm.kBk, kt + j0, dm.nk, ds_for_dq, dm.kBk / 32, 0, 0, dq + i0, dm.nq);
+    amx_gemm<true>(dm.dpad, dm.kBq, dm.kBk, kt + j0, dm.nk_ld, ds_for_dq, dm.kBk / 32, 0, 0, dq + i0, dm.nq_ld);
   }
 
  private:
