@@ -217,6 +217,16 @@ inline void finish_rows(const Problem& p, T* o, int64_t ldo, const T* m, const T
     const bool empty = l[r] == T(0);
     T* orow = o + r * ldo;
     if (empty) for (int64_t c = 0; c < p.headdim_v; ++c) orow[c] = T(0);
+    // A sink within range of the row's max joins its sum directly: exp(sink - max) in the sum's own scale,
+    // then one log, the same as without a sink (fold_sink's exp, log1p and exp cost 3-4% of a bf16 forward
+    // at head dim 128). Far above the max (exp would overflow), or for an empty row, fold_sink.
+    const T x = static_cast<T>(sink) - m[r];
+    if (!empty && sink != kNegInf && x < T(64)) {
+      const T total = l[r] + std::exp(x);
+      store_row<T>(orow, T(1) / total, orows.row(i0 + r), p.dtype, p.headdim_v);
+      if (lse) lse[i0 + r] = static_cast<float>(m[r] + std::log(total));
+      continue;
+    }
     const auto row = policy::fold_sink<T>(empty ? static_cast<T>(kNegInf) : m[r] + std::log(l[r]), sink);
     store_row<T>(orow, empty ? T(0) : row.factor / l[r], orows.row(i0 + r), p.dtype, p.headdim_v);
     if (lse) lse[i0 + r] = static_cast<float>(row.lse);

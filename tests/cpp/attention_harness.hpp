@@ -47,6 +47,7 @@ struct AttnCase {
   int32_t num_threads = 0;
   bool deterministic = false;    // backward
   bool sinks = false;            // learnable sinks, one random logit per query head (backward: and dsinks)
+  double sink_offset = 0.0;      // added to every drawn sink: far above or below the rows' scores
   float dropout_p = 0.0f;        // dropout with a random seed and offset per problem
 
   int64_t batch() const { return static_cast<int64_t>(seqlens_q.size()); }
@@ -222,7 +223,7 @@ inline AttnProblem make_problem(AttnCase c, Rng& rng) {
   if (c.sinks) {
     pb.sinks = HostTensor::contiguous(FLARE_DTYPE_F32, {c.nheads});
     std::vector<double> raw(c.nheads);
-    for (double& s : raw) s = rng.uniform(-1.0, 3.0);
+    for (double& s : raw) s = rng.uniform(-1.0, 3.0) + c.sink_offset;
     sinks = pb.sinks.assign(raw);
   }
 

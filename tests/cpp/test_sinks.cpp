@@ -30,6 +30,21 @@ TEST(Sinks, Forward) {
       }
 }
 
+TEST(Sinks, FarFromTheScores) {
+  // Sinks 90 above the scores (their exponential overflows fp32 against a row's max: the CPU forward folds
+  // them with fold_sink) and 90 below (they join a row's sum as exp(sink - max), which underflows to 0).
+  Rng rng;
+  for (flare_dtype dtype : {FLARE_DTYPE_F32, FLARE_DTYPE_BF16, FLARE_DTYPE_F64}) {
+    for (double offset : {90.0, -90.0}) {
+      AttnCase c = dense_case(dtype, 2, 37, 70, 4, 2, 64, 64);
+      c.sinks = true;
+      c.sink_offset = offset;
+      c.causal = rng.coin();
+      check_forward(c, rng);
+    }
+  }
+}
+
 TEST(Sinks, ForwardWithEveryScoreFeature) {
   Rng rng;
   for (flare_dtype dtype : kAllDtypes) {
