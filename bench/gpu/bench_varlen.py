@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""GPU benchmark of varlen (packed) forwards, and of dense forwards at head dims 192 / 128: flare on the path it picks (auto), flare with the sm80 path
-forced, and FlashAttention 2's varlen forward as torch ships it (torch.ops.aten._flash_attention_forward with
-cumulative sequence lengths), in one process.
+"""GPU benchmark of varlen (packed) forwards, and of dense forwards at head dims 192 / 128: flare on the path it
+picks (auto), flare with the sm80 path forced, and FlashAttention 2's varlen forward as torch ships it
+(torch.ops.aten._flash_attention_forward with cumulative sequence lengths), in one process.
 
 Batches: sequences of random lengths (seeded) packed to about --tokens tokens, in two mixes: "long" (512 to
 4096 tokens each) and "short" (64 to 512, as packed fine-tuning data gives); head dims 64 / 128 / 256, bf16,
@@ -36,6 +36,7 @@ import meta as run_meta  # noqa: E402
 MIXES = {"long": (512, 4096), "short": (64, 512)}
 IMPLS = ["flare", "flare-sm80", "fa2-varlen"]
 CHECK_TOLERANCE = 2.0 ** -5
+RATIO_KEYS = {"fa2-varlen": "vs_fa2", "torch-cudnn": "vs_cudnn"}  # flare's row: its ratio to each peer
 
 
 def lengths_of(mix, tokens, seed):
@@ -64,11 +65,71 @@ def make_fns(q, k, v, cu, max_len, causal):
     return {"flare": flare_fn("auto"), "flare-sm80": flare_fn("sm80"), "fa2-varlen": fa2}
 
 
+def time_shape(fns, peer, flops, base, args, rows):
+    """Checks each implementation of fns against flare-sm80's output, times it, and appends its row (base's
+    fields, then ms, tflops, max_diff_vs_sm80; a refusal as "skipped"); flare's row gets its ratios to `peer`
+    and to flare-sm80. Returns ({impl: tflops}, whether a check failed)."""
+    import triton.testing
+    reference = fns["flare-sm80"]().float()
+    tflops, failed, added = {}, False, []
+    for impl, fn in fns.items():
+        row = {"pass": "fwd", "impl": impl, **base}
+        added.append(row)
+        try:
+            err = (fn().float() - reference).abs().max().item()
+            ms = triton.testing.do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
+        except Exception as e:  # noqa: BLE001 - a peer that refuses a shape is recorded, not fatal
+            row["skipped"] = f"{type(e).__name__}: {e}"[:300]
+            continue
+        row.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 2), max_diff_vs_sm80=err)
+        if err > CHECK_TOLERANCE:
+            row["check_failed"] = True
+            failed = True
+        tflops[impl] = row["tflops"]
+    flare_row = added[0]
+    if "tflops" in flare_row:
+        if peer in tflops:
+            flare_row[RATIO_KEYS[peer]] = round(tflops["flare"] / tflops[peer], 3)
+        flare_row["vs_sm80"] = round(tflops["flare"] / tflops["flare-sm80"], 3)
+    rows.extend(added)
+    return tflops, failed
+
+
+def ratio(tflops, a, b):
+    return f"{tflops[a] / tflops[b]:.3f}" if a in tflops and b in tflops else "-"
+
+
+def run_varlen(args, causals, rows):
+    """Packed forwards of each mix and head dim: flare auto, flare-sm80, FA2 varlen."""
+    failed = False
+    print(f"{'mix':>5} {'hd':>4} {'causal':>6} {'seqs':>5} | " + " | ".join(f"{i:>10}" for i in IMPLS) +
+          " | flare/fa2 flare/sm80 (TFLOP/s)", flush=True)
+    for mix in args.mixes:
+        lengths = lengths_of(mix, args.tokens, args.seed)
+        cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32,
+                          device="cuda")
+        max_len, total = max(lengths), sum(lengths)
+        for d in args.headdims:
+            h = args.width // d
+            torch.manual_seed(args.seed)
+            q, k, v = (torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            for causal in causals:
+                base = {"mix": mix, "headdim": d, "nheads": h, "causal": causal, "sequences": len(lengths),
+                        "tokens": total, "max_seqlen": max_len, "dtype": "bf16"}
+                tflops, bad = time_shape(make_fns(q, k, v, cu, max_len, causal), "fa2-varlen",
+                                         4.0 * h * d * pairs_of(lengths, causal), base, args, rows)
+                failed |= bad
+                print(f"{mix:>5} {d:>4} {str(causal):>6} {len(lengths):>5} | " +
+                      " | ".join(f"{tflops.get(i, float('nan')):>10.1f}" for i in IMPLS) +
+                      f" | {ratio(tflops, 'flare', 'fa2-varlen'):>9} {ratio(tflops, 'flare', 'flare-sm80'):>10}",
+                      flush=True)
+    return failed
+
+
 def run_pairs(args, causals, rows):
     """Dense forwards at head dims 192 / 128: flare auto (the sm90 path), flare-sm80, torch cuDNN."""
     import flare
     import torch.nn.functional as F
-    import triton.testing
     from torch.nn.attention import SDPBackend, sdpa_kernel
     d, dv, failed = 192, 128, False
     impls = ["flare", "flare-sm80", "torch-cudnn"]
@@ -81,8 +142,6 @@ def run_pairs(args, causals, rows):
         v = torch.randn(b, seqlen, h, dv, device="cuda", dtype=torch.bfloat16)
         qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
         for causal in causals:
-            flops = 2.0 * b * h * seqlen * seqlen * (d + dv) * (0.5 if causal else 1.0)
-
             def cudnn():
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
@@ -90,34 +149,15 @@ def run_pairs(args, causals, rows):
             fns = {"flare": lambda: flare.flash_attn_func(q, k, v, causal=causal),
                    "flare-sm80": lambda: flare.flash_attn_func(q, k, v, causal=causal, arch_path="sm80"),
                    "torch-cudnn": cudnn}
-            reference = fns["flare-sm80"]().float()
-            tflops = {}
-            for impl in impls:
-                row = {"pass": "fwd", "group": "pair", "impl": impl, "batch": b, "nheads": h, "seqlen_q": seqlen,
-                       "seqlen_k": seqlen, "headdim": d, "headdim_v": dv, "causal": causal, "dtype": "bf16"}
-                try:
-                    err = (fns[impl]().float() - reference).abs().max().item()
-                    ms = triton.testing.do_bench(fns[impl], warmup=args.warmup_ms, rep=args.rep_ms,
-                                                 return_mode="median")
-                except Exception as e:  # noqa: BLE001 - a peer that refuses a shape is recorded, not fatal
-                    row["skipped"] = f"{type(e).__name__}: {e}"[:300]
-                    rows.append(row)
-                    continue
-                row.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 2), max_diff_vs_sm80=err)
-                if err > CHECK_TOLERANCE:
-                    row["check_failed"] = True
-                    failed = True
-                tflops[impl] = row["tflops"]
-                rows.append(row)
-            for row in rows[-len(impls):]:
-                if row["impl"] == "flare" and "tflops" in row:
-                    if "torch-cudnn" in tflops:
-                        row["vs_cudnn"] = round(tflops["flare"] / tflops["torch-cudnn"], 3)
-                    row["vs_sm80"] = round(tflops["flare"] / tflops["flare-sm80"], 3)
-            ratio = lambda a, c: f"{tflops[a] / tflops[c]:.3f}" if a in tflops and c in tflops else "-"  # noqa: E731
+            base = {"group": "pair", "batch": b, "nheads": h, "seqlen_q": seqlen, "seqlen_k": seqlen, "headdim": d,
+                    "headdim_v": dv, "causal": causal, "dtype": "bf16"}
+            flops = 2.0 * b * h * seqlen * seqlen * (d + dv) * (0.5 if causal else 1.0)
+            tflops, bad = time_shape(fns, "torch-cudnn", flops, base, args, rows)
+            failed |= bad
             print(f"{d:>3}/{dv:<3} {seqlen:>6} {str(causal):>6} | " +
                   " | ".join(f"{tflops.get(i, float('nan')):>11.1f}" for i in impls) +
-                  f" | {ratio('flare', 'torch-cudnn'):>11} {ratio('flare', 'flare-sm80'):>10}", flush=True)
+                  f" | {ratio(tflops, 'flare', 'torch-cudnn'):>11} {ratio(tflops, 'flare', 'flare-sm80'):>10}",
+                  flush=True)
     return failed
 
 
@@ -134,53 +174,11 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--groups", nargs="+", default=["varlen", "pair"], choices=["varlen", "pair"])
     args = ap.parse_args(argv)
-    import triton.testing
 
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     rows, failed = [], False
-    print(f"{'mix':>5} {'hd':>4} {'causal':>6} {'seqs':>5} | " + " | ".join(f"{i:>10}" for i in IMPLS) +
-                  " | flare/fa2 flare/sm80 (TFLOP/s)", flush=True)
-    for mix in (args.mixes if "varlen" in args.groups else []):
-        lengths = lengths_of(mix, args.tokens, args.seed)
-        cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32,
-                          device="cuda")
-        max_len, total = max(lengths), sum(lengths)
-        for d in args.headdims:
-            h = args.width // d
-            torch.manual_seed(args.seed)
-            q, k, v = (torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            for causal in causals:
-                flops = 4.0 * h * d * pairs_of(lengths, causal)
-                fns = make_fns(q, k, v, cu, max_len, causal)
-                reference = fns["flare-sm80"]().float()
-                tflops = {}
-                for impl in IMPLS:
-                    row = {"pass": "fwd", "impl": impl, "mix": mix, "headdim": d, "nheads": h, "causal": causal,
-                           "sequences": len(lengths), "tokens": total, "max_seqlen": max_len, "dtype": "bf16"}
-                    try:
-                        err = (fns[impl]().float() - reference).abs().max().item()
-                        ms = triton.testing.do_bench(fns[impl], warmup=args.warmup_ms, rep=args.rep_ms,
-                                                     return_mode="median")
-                    except Exception as e:  # noqa: BLE001 - a peer that refuses a shape is recorded, not fatal
-                        row["skipped"] = f"{type(e).__name__}: {e}"[:300]
-                        rows.append(row)
-                        continue
-                    row.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 2), max_diff_vs_sm80=err)
-                    if err > CHECK_TOLERANCE:
-                        row["check_failed"] = True
-                        failed = True
-                    tflops[impl] = row["tflops"]
-                    rows.append(row)
-                ratio = lambda a, b: (f"{tflops[a] / tflops[b]:.3f}" if a in tflops and b in tflops  # noqa: E731
-                                      else "-")
-                for row in rows[-len(IMPLS):]:
-                    if row["impl"] == "flare" and "tflops" in row:
-                        if "fa2-varlen" in tflops:
-                            row["vs_fa2"] = round(tflops["flare"] / tflops["fa2-varlen"], 3)
-                        row["vs_sm80"] = round(tflops["flare"] / tflops["flare-sm80"], 3)
-                print(f"{mix:>5} {d:>4} {str(causal):>6} {len(lengths):>5} | " +
-                              " | ".join(f"{tflops.get(i, float('nan')):>10.1f}" for i in IMPLS) +
-                              f" | {ratio('flare', 'fa2-varlen'):>9} {ratio('flare', 'flare-sm80'):>10}", flush=True)
+    if "varlen" in args.groups:
+        failed |= run_varlen(args, causals, rows)
     if "pair" in args.groups:
         failed |= run_pairs(args, causals, rows)
     report = {"meta": {**run_meta.provenance(__file__), **run_meta.device_meta(torch), **run_meta.flare_meta(),
