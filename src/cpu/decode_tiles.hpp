@@ -81,6 +81,11 @@ inline vec_t<float> lane_sums(const vec_t<float>* acc) {
   return fold_sums<W>(v);
 }
 
+// A tile loop's hook between tiles (decode.hpp's ChunkPrefetch issues the next chunk's loads there).
+struct NoPrefetch {
+  void operator()() const {}
+};
+
 // ---- scores ----------------------------------------------------------------------------------------------
 
 // Scores of kRows query rows (fp32, ldq apart) against W / kRows keys (rows k[0..)), head dim d (a multiple
@@ -112,32 +117,39 @@ inline void score_tile(const float* q, int64_t ldq, const KT* const* k, int64_t 
 
 // Scores of rows query rows against keys k[0..n): s[r * lds + j]. k holds pointers up to n rounded up to W
 // (the extra ones valid rows, whose scores land past n and are never used).
-template <class KT>
+// between(): called before each tile.
+template <class KT, class Between = NoPrefetch>
 inline void score_block(const float* q, int64_t ldq, int64_t rows, const KT* const* k, int64_t n, int64_t d,
-                        float scale, float* s, int64_t lds) {
+                        float scale, float* s, int64_t lds, Between&& between = {}) {
   constexpr int W = Simd<float>::W;
   constexpr int kRows = W >= 4 ? 4 : W;
   int64_t r = 0;
   for (; r + kRows <= rows; r += kRows)
-    for (int64_t j = 0; j < n; j += W / kRows)
+    for (int64_t j = 0; j < n; j += W / kRows) {
+      between();
       score_tile<kRows>(q + r * ldq, ldq, k + j, d, scale, s + r * lds + j, lds);
+    }
   for (; r < rows; ++r)
-    for (int64_t j = 0; j < n; j += W) score_tile<1>(q + r * ldq, ldq, k + j, d, scale, s + r * lds + j, lds);
+    for (int64_t j = 0; j < n; j += W) {
+      between();
+      score_tile<1>(q + r * ldq, ldq, k + j, d, scale, s + r * lds + j, lds);
+    }
 }
 
 // ---- O += P V ----------------------------------------------------------------------------------------------
 
 // o_r += sum_j p[r * ldp + j] v_j for kRows rows and keys j in [j0, j1), head dim dv (a multiple of W). kCols
 // vectors of each row's o stay in registers across the keys; each vector of a value row is loaded once for
-// the kRows rows.
-template <int kRows, class VT>
+// the kRows rows. between(): called before each block of kCols vectors.
+template <int kRows, class VT, class Between = NoPrefetch>
 inline void accumulate_pv(const float* p, int64_t ldp, const VT* const* v, int64_t j0, int64_t j1, float* o,
-                          int64_t ldo, int64_t dv) {
+                          int64_t ldo, int64_t dv, Between&& between = {}) {
   using V = vec_t<float>;
   constexpr int W = Simd<float>::W;
   constexpr int kCols = FLARE_VEC_BYTES == 64 ? 4 : 2;  // kRows x kCols accumulators + kCols values in registers
   int64_t c = 0;
   for (; c + kCols * W <= dv; c += kCols * W) {
+    between();
     V acc[kRows][kCols];
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r)
@@ -160,6 +172,7 @@ inline void accumulate_pv(const float* p, int64_t ldp, const VT* const* v, int64
       for (int x = 0; x < kCols; ++x) vstore(o + r * ldo + c + x * W, acc[r][x]);
   }
   for (; c < dv; c += W) {
+    between();
     V acc[kRows];
 #pragma GCC unroll 4
     for (int r = 0; r < kRows; ++r) acc[r] = vload(o + r * ldo + c);
