@@ -282,6 +282,29 @@ def set_view(params, offset, t):
         pack.pack_into(params, offset, t.data_ptr(), code, FLARE_DEVICE_CPU, 0, len(shape), *shape, *t.stride())
 
 
+# Four views in one pack: three rank-4 tensors in consecutive fields, two fields left zero (absent), a rank-1
+# tensor: flare_kvcache_params' q, k_cache, v_cache, (k_new, v_new), cache_seqlens.
+_KV_RUN_PACK = struct.Struct("=" + 3 * "Qiiii4q4q" + f"{2 * _TENSOR_PACK.size}x" + f"Qiiii1q{8 * (FLARE_MAX_RANK - 1)}x1q"
+                             f"{8 * (FLARE_MAX_RANK - 1)}x")
+
+
+def set_kv_views(params, offset, q, k, v, seqlens):
+    """set_view of q, k, v (rank 4) and seqlens (rank 1) into the six consecutive flare_tensor fields from byte
+    offset, the fourth and fifth zeroed: one pack instead of four set_view calls (a decode step's host cost,
+    bench/cpu/host_cost.py). All on the CPU or all on one CUDA device, of dtypes seen before (the caller has
+    checked); returns False, writing nothing, where a dtype has not been seen yet."""
+    codes = _DTYPE_CODES
+    cq, ck, cv, cs = codes.get(q.dtype), codes.get(k.dtype), codes.get(v.dtype), codes.get(seqlens.dtype)
+    if cq is None or ck is None or cv is None or cs is None:
+        return False
+    device, index = (FLARE_DEVICE_CUDA, q.get_device()) if q.is_cuda else (FLARE_DEVICE_CPU, 0)
+    _KV_RUN_PACK.pack_into(params, offset, q.data_ptr(), cq, device, index, 4, *q.shape, *q.stride(),
+                           k.data_ptr(), ck, device, index, 4, *k.shape, *k.stride(),
+                           v.data_ptr(), cv, device, index, 4, *v.shape, *v.stride(),
+                           seqlens.data_ptr(), cs, device, index, 1, *seqlens.shape, *seqlens.stride())
+    return True
+
+
 def _problem_mask(params_type):
     """An int with the bits of a params struct that pose the problem set, and those that do not cleared: each
     tensor's data pointer (the alibi_slopes one inside attn too) and exec (stream, threads, workspace)."""

@@ -213,6 +213,34 @@ def _kvcache_call_passes(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache
                                 window_left, window_right, softcap, sinks)
 
 
+def _kvcache_scalars_pass(num_splits, softmax_scale, window_left, window_right, softcap) -> bool:
+    """The scalar arguments of a kvcache call in the ranges the op takes."""
+    low, high, tiny, most = _checks.INT32_MIN, _checks.INT32_MAX, _checks.FP32_TINY, _checks.FP32_MAX
+    return (type(num_splits) is int and type(window_left) is int and type(window_right) is int
+            and low <= num_splits <= high and low <= window_left <= high and low <= window_right <= high
+            and (softmax_scale == 0 or tiny <= abs(softmax_scale) <= most)
+            and (softcap == 0 or tiny <= abs(softcap) <= most))
+
+
+def _kvcache_plain_passes(q, k_cache, v_cache, cache_seqlens, num_splits, softmax_scale, window_left,
+                          window_right, softcap) -> bool:
+    """_kvcache_rest_passes for a call with no tensor but q, k_cache, v_cache and cache_seqlens (a plain Tensor
+    or None): a decode step's usual call, checked without the loops over the other eight."""
+    if q.is_cpu:
+        if not (k_cache.is_cpu and v_cache.is_cpu and (cache_seqlens is None or cache_seqlens.is_cpu)):
+            return False
+    elif q.is_cuda:
+        index = q.get_device()
+        if not (k_cache.is_cuda and v_cache.is_cuda and k_cache.get_device() == index
+                and v_cache.get_device() == index
+                and (cache_seqlens is None or (cache_seqlens.is_cuda and cache_seqlens.get_device() == index))):
+            return False
+    else:
+        return False
+    return ((cache_seqlens is None or cache_seqlens.dtype is torch.int32)
+            and _kvcache_scalars_pass(num_splits, softmax_scale, window_left, window_right, softcap))
+
+
 def _kvcache_rest_passes(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad,
                          block_table, rotary_cos, rotary_sin, num_splits, alibi_slopes, softmax_scale, window_left,
                          window_right, softcap, sinks) -> bool:
@@ -237,11 +265,7 @@ def _kvcache_rest_passes(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache
         return False
     if k_new is not None and (k_cache.requires_grad or v_cache.requires_grad):
         return False
-    low, high, tiny, most = _checks.INT32_MIN, _checks.INT32_MAX, _checks.FP32_TINY, _checks.FP32_MAX
-    return (type(num_splits) is int and type(window_left) is int and type(window_right) is int
-            and low <= num_splits <= high and low <= window_left <= high and low <= window_right <= high
-            and (softmax_scale == 0 or tiny <= abs(softmax_scale) <= most)
-            and (softcap == 0 or tiny <= abs(softcap) <= most))
+    return _kvcache_scalars_pass(num_splits, softmax_scale, window_left, window_right, softcap)
 
 
 def _check_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
@@ -502,6 +526,8 @@ fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 _KV = {name: getattr(_capi.flare_kvcache_params, name).offset for name, _ in _capi.flare_kvcache_params._fields_}
 _KV_ATTN = _KV["attn"]
 _KV_Q, _KV_K_CACHE, _KV_V_CACHE, _KV_CACHE_SEQLENS = _KV["q"], _KV["k_cache"], _KV["v_cache"], _KV["cache_seqlens"]
+assert [_KV[name] - _KV_Q for name in ("k_cache", "v_cache", "k_new", "v_new", "cache_seqlens")] == \
+    [i * _capi._TENSOR_PACK.size for i in range(1, 6)]  # _capi.set_kv_views packs these six at once
 _KV_OUT = _KV["out"]
 _KV_ALIBI = _KV_ATTN + _capi.flare_attn_options.alibi_slopes.offset
 _ADDRESS = struct.Struct("=Q")  # flare_tensor.data, at the start of the struct
@@ -545,21 +571,30 @@ def fwd_kvcache_eager(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Option
         if not (type(q) is Tensor and type(k_cache) is Tensor and type(v_cache) is Tensor
                 and q.dim() == 4 and k_cache.dim() == 4 and v_cache.dim() == 4):
             return None
-        for t in (k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos,
-                  rotary_sin, alibi_slopes, sinks):
-            if t is not None and type(t) is not Tensor:
+        if (k_new is None and v_new is None and cache_batch_idx is None and cache_leftpad is None
+                and block_table is None and rotary_cos is None and rotary_sin is None and alibi_slopes is None
+                and sinks is None):  # a decode step's usual call: checked in fewer steps (host_cost.py)
+            if not ((cache_seqlens is None or type(cache_seqlens) is Tensor) and not _intercepted()
+                    and _kvcache_plain_passes(q, k_cache, v_cache, cache_seqlens, num_splits, softmax_scale,
+                                              window_left, window_right, softcap)):
                 return None
-        if _intercepted():
-            return None
-        if not _kvcache_rest_passes(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx,
-                                    cache_leftpad, block_table, rotary_cos, rotary_sin, num_splits, alibi_slopes,
-                                    softmax_scale, window_left, window_right, softcap, sinks):
-            return None
+        else:
+            for t in (k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos,
+                      rotary_sin, alibi_slopes, sinks):
+                if t is not None and type(t) is not Tensor:
+                    return None
+            if _intercepted():
+                return None
+            if not _kvcache_rest_passes(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx,
+                                        cache_leftpad, block_table, rotary_cos, rotary_sin, num_splits,
+                                        alibi_slopes, softmax_scale, window_left, window_right, softcap, sinks):
+                return None
     else:
         _check_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad,
                        block_table, rotary_cos, rotary_sin, num_splits, alibi_slopes, softmax_scale, window_left,
                        window_right, softcap, sinks)
-    if q.stride(-1) != 1:
+    q_contiguous = q.is_contiguous()
+    if not q_contiguous and q.stride(-1) != 1:
         q = _last_dim_contiguous(q)
     if k_new is not None:
         k_new, v_new = _last_dim_contiguous(k_new), _last_dim_contiguous(v_new)
@@ -573,13 +608,15 @@ def fwd_kvcache_eager(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Option
     lib = _capi.library()
     p = lib.kvcache_params_copy()
     view = _capi.set_view
-    view(p, _KV_Q, q)
-    view(p, _KV_K_CACHE, k_cache)
-    view(p, _KV_V_CACHE, v_cache)
-    if cache_seqlens is not None:
-        if cache_seqlens.dtype is not torch.int32 or not cache_seqlens.is_contiguous():
-            cache_seqlens = _checks.index32(cache_seqlens, "cache_seqlens")
-        view(p, _KV_CACHE_SEQLENS, cache_seqlens)
+    if cache_seqlens is not None and (cache_seqlens.dtype is not torch.int32 or not cache_seqlens.is_contiguous()):
+        cache_seqlens = _checks.index32(cache_seqlens, "cache_seqlens")
+    if k_new is not None or cache_seqlens is None or cache_seqlens.dim() != 1 or \
+            not _capi.set_kv_views(p, _KV_Q, q, k_cache, v_cache, cache_seqlens):
+        view(p, _KV_Q, q)
+        view(p, _KV_K_CACHE, k_cache)
+        view(p, _KV_V_CACHE, v_cache)
+        if cache_seqlens is not None:
+            view(p, _KV_CACHE_SEQLENS, cache_seqlens)
     if cache_batch_idx is not None:
         cache_batch_idx = _int32_index(cache_batch_idx, "cache_batch_idx")
         view(p, _KV["cache_batch_idx"], cache_batch_idx)
@@ -606,23 +643,22 @@ def fwd_kvcache_eager(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_new: Option
         sinks = sinks.detach().to(dtype=torch.float32).contiguous()
         view(p, _KV["sinks"], sinks)
 
-    out_shape, lse_shape = (batch, seqlen_q, nheads, headdim_v), (batch, nheads, seqlen_q)
     nbytes = 0
     if q.is_cuda or batch * seqlen_q * nheads * headdim_v > _SMALL_OUTPUT:  # validated before allocating
-        p.out = _capi.planned_view(out_shape, q.dtype, q.device)
+        p.out = _capi.planned_view((batch, seqlen_q, nheads, headdim_v), q.dtype, q.device)
         if want_lse:
-            p.softmax_lse = _capi.planned_view(lse_shape, torch.float32, q.device)
+            p.softmax_lse = _capi.planned_view((batch, nheads, seqlen_q), torch.float32, q.device)
         nbytes = _validate(q, lib.fwd_kvcache, lib.kvcache_workspace_size, p)
-    if headdim_v == headdim and q.is_contiguous():  # out is laid out as q: q's view, out's address
+    if headdim_v == headdim and q_contiguous:  # out is laid out as q: q's view, out's address
         out = torch.empty_like(q)
         p.out = p.q
         _ADDRESS.pack_into(p, _KV_OUT, out.data_ptr())
     else:
-        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+        out = torch.empty((batch, seqlen_q, nheads, headdim_v), dtype=q.dtype, device=q.device)
         view(p, _KV["out"], out)
     lse = None
     if want_lse:
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
         view(p, _KV["softmax_lse"], lse)
     if q.is_cuda:
         _run(q, lib.fwd_kvcache, nbytes, p)
