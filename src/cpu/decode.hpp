@@ -227,8 +227,10 @@ inline void softmax_chunk_row(const Problem& p, const Sequence& seq, const polic
 
 // One item: keys [j0, j1) of one sequence for kv heads [hk0, hk0 + nh), against their R query rows each.
 // Leaves each row's unnormalised output in t.o and its running max and sum in t.m, t.l (head h's rows at
-// h * R). RT: how K and V rows are read (chunk_rows).
-template <class RT>
+// h * R). RT: how K and V rows are read (chunk_rows). kSplit (bf16 rows read in place, head dims multiples of
+// 32, AVX-512): the tiles take K and V rows split into even and odd elements (decode_tiles.hpp), q and o are
+// held in that order, and o is joined again at the end.
+template <class RT, bool kSplit = false>
 inline void decode_item(const Problem& p, const DecodeScratch& ws, const DecodeScratch::PerThread& t,
                         const Sequence& seq, int64_t hk0, int64_t nh, int64_t j0, int64_t j1) {
   using V = vec_t<float>;
@@ -243,6 +245,9 @@ inline void decode_item(const Problem& p, const DecodeScratch& ws, const DecodeS
       float* q = t.q + (h * R + r) * dp;
       load_row<float>(query_rows(p, p.q, seq, (hk0 + h) * group + g).row(i), p.dtype, q, p.headdim, 1.0f);
       for (int64_t c = p.headdim; c < dp; ++c) q[c] = 0.0f;
+#if defined(__AVX512F__) && FLARE_VEC_BYTES == 64
+      if constexpr (kSplit) split_row(q, dp);
+#endif
       t.m[h * R + r] = -std::numeric_limits<float>::infinity();
       t.l[h * R + r] = 0.0f;
       for (int64_t c = 0; c < dvp; c += W) vstore(t.o + (h * R + r) * dvp + c, V{});
@@ -277,11 +282,36 @@ inline void decode_item(const Problem& p, const DecodeScratch& ws, const DecodeS
       // step, was slower.
       prefetch.begin_step(smin(jc + C + C * h / nh, j1), smin(jc + C + C * (h + 1) / nh, j1));
       chunk_rows(p, krows[h], jc, n, p.headdim, dp, t.k, kp);
+#if defined(__AVX512F__) && FLARE_VEC_BYTES == 64
+      if constexpr (kSplit) {
+        score_block_split(q, dp, R, kp, n, dp, scale, t.s, C, prefetch);
+      } else {
+        score_block(q, dp, R, kp, n, dp, scale, t.s, C, prefetch);
+      }
+#else
       score_block(q, dp, R, kp, n, dp, scale, t.s, C, prefetch);
+#endif
       for (int64_t r = 0; r < R; ++r)
         softmax_chunk_row(p, seq, mask, hk * group + r / seq.seqlen_q, r % seq.seqlen_q, jc, n, masked,
                           t.s + r * C, t.m[h * R + r], t.l[h * R + r], o + r * dvp, dvp);
       chunk_rows(p, vrows[h], jc, n, p.headdim_v, dvp, t.v, vp);
+#if defined(__AVX512F__) && FLARE_VEC_BYTES == 64
+      if constexpr (kSplit) {
+        if (!masked) {
+          int64_t r = 0;
+          for (; r + 4 <= R; r += 4)
+            accumulate_pv_split<4>(t.s + r * C, C, vp, 0, n, o + r * dvp, dvp, dvp, prefetch);
+          for (; r < R; ++r) accumulate_pv_split<1>(t.s + r * C, C, vp, 0, n, o + r * dvp, dvp, dvp, prefetch);
+          continue;
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          const policy::KeyRange seen = mask.keys_of(r % seq.seqlen_q);
+          const int64_t a = smax(seen.first, jc) - jc, b = smin(seen.last + 1, jc + n) - jc;
+          if (a < b) accumulate_pv_split<1>(t.s + r * C, C, vp, a, b, o + r * dvp, dvp, dvp, prefetch);
+        }
+        continue;
+      }
+#endif
       if (!masked) {
         int64_t r = 0;
         for (; r + 4 <= R; r += 4) accumulate_pv<4>(t.s + r * C, C, vp, 0, n, o + r * dvp, dvp, dvp, prefetch);
@@ -295,6 +325,10 @@ inline void decode_item(const Problem& p, const DecodeScratch& ws, const DecodeS
       }
     }
   }
+#if defined(__AVX512F__) && FLARE_VEC_BYTES == 64
+  if constexpr (kSplit)
+    for (int64_t x = 0; x < nh * R; ++x) join_split_row(t.o + x * dvp, dvp);
+#endif
 }
 
 // Row r's out and lse from an output o (scaled by 1/l) and its lse, the head's sink folded into both.
@@ -312,6 +346,8 @@ inline void run_decode(const Problem& p, void* scratch, int nt) {
   ws.layout(arena, p, nt);
   const int64_t R = ws.rows, S = ws.splits, dvp = ws.dvp, HB = ws.head_blocks, items = p.batch * HB * S;
   const bool in_place = decode_reads_in_place(p);
+  const bool split_pairs = kDecodeSplitsPairs && in_place && p.dtype == FLARE_DTYPE_BF16 && p.headdim % 32 == 0 &&
+                     p.headdim_v % 32 == 0;
   constexpr float kInf = std::numeric_limits<float>::infinity();
 #pragma omp parallel num_threads(nt)
   {
@@ -327,7 +363,9 @@ inline void run_decode(const Problem& p, void* scratch, int nt) {
       const int64_t first = smax<int64_t>(seen.first, 0), end = smin(seen.last + 1, seq.seqlen_k);
       const int64_t len = smax<int64_t>(end - first, 0), per = (len + S - 1) / S;
       const int64_t j0 = first + smin(split * per, len), j1 = first + smin((split + 1) * per, len);
-      if (in_place && p.dtype == FLARE_DTYPE_BF16) {
+      if (split_pairs) {
+        decode_item<uint16_t, true>(p, ws, t, seq, hk0, nh, j0, j1);
+      } else if (in_place && p.dtype == FLARE_DTYPE_BF16) {
         decode_item<uint16_t>(p, ws, t, seq, hk0, nh, j0, j1);
       } else {
         decode_item<float>(p, ws, t, seq, hk0, nh, j0, j1);

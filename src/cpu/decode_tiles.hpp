@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "cpu/simd.hpp"
@@ -185,5 +186,135 @@ inline void accumulate_pv(const float* p, int64_t ldp, const VT* const* v, int64
     for (int r = 0; r < kRows; ++r) vstore(o + r * ldo + c, acc[r]);
   }
 }
+
+#if defined(__AVX512F__) && FLARE_VEC_BYTES == 64
+// ---- bf16 rows split into even and odd elements (AVX-512) ------------------------------------------------
+//
+// A bf16 is the top half of its fp32, so one 64-byte load of 32 bf16 gives both halves of a pair of fp32
+// vectors in two single-port instructions: the even elements shifted up (x << 16) and the odd ones masked in
+// place (x & 0xffff0000). load_lanes' widening took a shuffle and a shift per 16 elements, on the ports the
+// FMAs need. The price is an order: the 32 elements c.. come as (c, c + 2, ..., c + 30) then
+// (c + 1, ..., c + 31). Q·K does not care once q is split the same way (split_row); P·V's output columns come
+// split, 32 at a time, and are joined again once per item (join_split_row).
+constexpr bool kDecodeSplitsPairs = true;
+
+struct SplitPair {
+  __m512 even, odd;
+};
+inline SplitPair load_split(const uint16_t* p) {
+  const __m512i w = _mm512_loadu_si512(p);
+  // (Zero-masked forms with a full mask: GCC 12 warns on the unmasked ones' undefined pass-through operand.)
+  return {_mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xffff, w, 16)),
+          _mm512_castsi512_ps(_mm512_maskz_and_epi32(0xffff, w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
+}
+
+// Row x (n floats, a multiple of 32) rewritten in split order: per 32 columns, the even ones, then the odd.
+inline void split_row(float* x, int64_t n) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int64_t c = 0; c < n; c += 32) {
+    const __m512 a = _mm512_loadu_ps(x + c), b = _mm512_loadu_ps(x + c + 16);
+    _mm512_storeu_ps(x + c, _mm512_permutex2var_ps(a, even, b));
+    _mm512_storeu_ps(x + c + 16, _mm512_permutex2var_ps(a, odd, b));
+  }
+}
+
+// The inverse of split_row.
+inline void join_split_row(float* x, int64_t n) {
+  const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+  for (int64_t c = 0; c < n; c += 32) {
+    const __m512 e = _mm512_loadu_ps(x + c), o = _mm512_loadu_ps(x + c + 16);
+    _mm512_storeu_ps(x + c, _mm512_permutex2var_ps(e, low, o));
+    _mm512_storeu_ps(x + c + 16, _mm512_permutex2var_ps(e, high, o));
+  }
+}
+
+// score_tile on bf16 key rows, q rows in split order; d a multiple of 32.
+template <int kRows>
+inline void score_tile_split(const float* q, int64_t ldq, const uint16_t* const* k, int64_t d, float scale,
+                             float* s, int64_t lds) {
+  using V = vec_t<float>;
+  constexpr int kKeys = 16 / kRows;
+  V acc[16] = {};
+  for (int64_t c = 0; c < d; c += 32) {
+    SplitPair kv[kKeys];
+#pragma GCC unroll 16
+    for (int j = 0; j < kKeys; ++j) kv[j] = load_split(k[j] + c);
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      const V qe = vload(q + r * ldq + c), qo = vload(q + r * ldq + c + 16);
+#pragma GCC unroll 16
+      for (int j = 0; j < kKeys; ++j) {  // two statements: two FMAs (one expression: a multiply, an FMA, an add)
+        acc[r * kKeys + j] += qe * static_cast<V>(kv[j].even);
+        acc[r * kKeys + j] += qo * static_cast<V>(kv[j].odd);
+      }
+    }
+  }
+  const V sums = lane_sums(acc) * scale;
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < kKeys; ++j) s[r * lds + j] = sums[r * kKeys + j];
+}
+
+// score_block on bf16 key rows, q rows in split order (d a multiple of 32; k padded as score_block's).
+template <class Between = NoPrefetch>
+inline void score_block_split(const float* q, int64_t ldq, int64_t rows, const uint16_t* const* k, int64_t n,
+                              int64_t d, float scale, float* s, int64_t lds, Between&& between = {}) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4)
+    for (int64_t j = 0; j < n; j += 4) {
+      between();
+      score_tile_split<4>(q + r * ldq, ldq, k + j, d, scale, s + r * lds + j, lds);
+    }
+  for (; r < rows; ++r)
+    for (int64_t j = 0; j < n; j += 16) {
+      between();
+      score_tile_split<1>(q + r * ldq, ldq, k + j, d, scale, s + r * lds + j, lds);
+    }
+}
+
+// accumulate_pv on bf16 value rows with o's rows in split order (dv a multiple of 32): kBlocks blocks of 32
+// columns per pass, each as an even and an odd accumulator.
+template <int kRows, class Between = NoPrefetch>
+inline void accumulate_pv_split(const float* p, int64_t ldp, const uint16_t* const* v, int64_t j0, int64_t j1,
+                                float* o, int64_t ldo, int64_t dv, Between&& between = {}) {
+  using V = vec_t<float>;
+  constexpr int kBlocks = 2;  // kRows x 2 kBlocks accumulators + 2 kBlocks values in registers
+  const auto pass = [&](int64_t c, auto blocks) {
+    constexpr int B = decltype(blocks)::value;
+    between();
+    V acc[kRows][2 * B];
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 4
+      for (int x = 0; x < 2 * B; ++x) acc[r][x] = vload(o + r * ldo + c + 16 * x);
+    for (int64_t j = j0; j < j1; ++j) {
+      V vv[2 * B];
+#pragma GCC unroll 2
+      for (int x = 0; x < B; ++x) {
+        const SplitPair w = load_split(v[j] + c + 32 * x);
+        vv[2 * x] = static_cast<V>(w.even), vv[2 * x + 1] = static_cast<V>(w.odd);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r) {
+        const V pr = vset(p[r * ldp + j]);
+#pragma GCC unroll 4
+        for (int x = 0; x < 2 * B; ++x) acc[r][x] += pr * vv[x];
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 4
+      for (int x = 0; x < 2 * B; ++x) vstore(o + r * ldo + c + 16 * x, acc[r][x]);
+  };
+  int64_t c = 0;
+  for (; c + 32 * kBlocks <= dv; c += 32 * kBlocks) pass(c, std::integral_constant<int, kBlocks>{});
+  for (; c < dv; c += 32) pass(c, std::integral_constant<int, 1>{});
+}
+#else
+constexpr bool kDecodeSplitsPairs = false;
+#endif
 
 }  // namespace flare::cpu::FLARE_ISA
