@@ -38,10 +38,12 @@ inline void round_to_bf16(const float* src, uint16_t* dst, int64_t n) {
 // vectors, one vcvtne2ps2bf16) at a time: the row's length must be a multiple of 32.
 class Bf16PairWriter {
  public:
-  // z, when given: each value is first multiplied by its factor z[c] (dropout's keep factors).
-  explicit Bf16PairWriter(uint16_t* row, const float* z = nullptr) : row_(row), z_(z) {}
+  // keep, when given: each value is first multiplied by `kept` where bit c % 16 of keep[c / 16] is set and
+  // zeroed where it is clear (dropout's keep bits, dropout_tile_bits).
+  explicit Bf16PairWriter(uint16_t* row, const uint16_t* keep = nullptr, float kept = 1.0f)
+      : row_(row), keep_(keep), kept_(_mm512_set1_ps(kept)) {}
   void operator()(int64_t c, vec_t<float> e) {
-    if (z_) e = e * vload(z_ + c);
+    if (keep_) e = static_cast<vec_t<float>>(_mm512_maskz_mul_ps(keep_[c / 16], static_cast<__m512>(e), kept_));
     if (c % 32 == 0) {
       even_ = static_cast<__m512>(e);
     } else {
@@ -52,7 +54,8 @@ class Bf16PairWriter {
 
  private:
   uint16_t* row_;
-  const float* z_;
+  const uint16_t* keep_;
+  __m512 kept_;
   __m512 even_ = _mm512_setzero_ps();
 };
 

@@ -95,8 +95,9 @@ inline uint32_t dropout_stream(const Problem& p, const Sequence& seq, int64_t h)
 // dst[l] (16 floats; lanes with a null dst are skipped). The AVX2 and AVX-512 forms transpose the words across
 // lanes in registers (unpacks within 128-bit lanes, then whole 128-bit lanes moved), so that each vector's
 // bytes are whole lanes in order, compare the bytes at once and expand the keep bits into factors.
-inline void store_factors(const PhiloxLanes& r, uint32_t threshold, float kept, float* const* dst) {
 #if FLARE_VEC_BYTES == 64 && defined(__AVX512F__)
+// out[x]: the bytes of lanes 4x .. 4x + 3 in key order (lane 4x + y's 16 bytes at bytes 16y .. 16y + 15).
+inline void lane_bytes(const PhiloxLanes& r, __m512i out[4]) {
   // The maskz forms with every lane set, as in mulhilo.
   constexpr __mmask16 kAll = 0xFFFF;
   constexpr __mmask8 kAll64 = 0xFF;
@@ -111,10 +112,17 @@ inline void store_factors(const PhiloxLanes& r, uint32_t threshold, float kept, 
   const __m512i t1 = _mm512_maskz_shuffle_i32x4(kAll, q2, q3, _MM_SHUFFLE(1, 0, 1, 0));
   const __m512i t2 = _mm512_maskz_shuffle_i32x4(kAll, q0, q1, _MM_SHUFFLE(3, 2, 3, 2));
   const __m512i t3 = _mm512_maskz_shuffle_i32x4(kAll, q2, q3, _MM_SHUFFLE(3, 2, 3, 2));
-  const __m512i out[4] = {_mm512_maskz_shuffle_i32x4(kAll, t0, t1, _MM_SHUFFLE(2, 0, 2, 0)),
-                          _mm512_maskz_shuffle_i32x4(kAll, t0, t1, _MM_SHUFFLE(3, 1, 3, 1)),
-                          _mm512_maskz_shuffle_i32x4(kAll, t2, t3, _MM_SHUFFLE(2, 0, 2, 0)),
-                          _mm512_maskz_shuffle_i32x4(kAll, t2, t3, _MM_SHUFFLE(3, 1, 3, 1))};
+  out[0] = _mm512_maskz_shuffle_i32x4(kAll, t0, t1, _MM_SHUFFLE(2, 0, 2, 0));
+  out[1] = _mm512_maskz_shuffle_i32x4(kAll, t0, t1, _MM_SHUFFLE(3, 1, 3, 1));
+  out[2] = _mm512_maskz_shuffle_i32x4(kAll, t2, t3, _MM_SHUFFLE(2, 0, 2, 0));
+  out[3] = _mm512_maskz_shuffle_i32x4(kAll, t2, t3, _MM_SHUFFLE(3, 1, 3, 1));
+}
+#endif
+
+inline void store_factors(const PhiloxLanes& r, uint32_t threshold, float kept, float* const* dst) {
+#if FLARE_VEC_BYTES == 64 && defined(__AVX512F__)
+  __m512i out[4];
+  lane_bytes(r, out);
   const __m512i thr = _mm512_set1_epi8(static_cast<char>(threshold));
   const __m512 k = _mm512_set1_ps(kept);
   for (int x = 0; x < 4; ++x) {
@@ -158,35 +166,77 @@ inline void store_factors(const PhiloxLanes& r, uint32_t threshold, float kept, 
 #endif
 }
 
-// The factors of a tile: z[r * ld + c] for (query i0 + r, key j0 + c), r < rows, c < cols; j0 % 16 == 0 and
-// cols % 16 == 0. Each lane draws one (row, 16 keys) piece, so rows of few key groups share a draw's lanes (a
-// 128-key block fills the 16 lanes of AVX-512 with two rows).
-inline void dropout_tile(const DropoutDraw& d, uint32_t stream, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
-                         float* z, int64_t ld) {
+// Lane l's 16 bytes decide 16 consecutive keys, as in store_factors: stores their keep bits at *dst[l] (bit x:
+// key x kept; lanes with a null dst are skipped).
+inline void store_bits(const PhiloxLanes& r, uint32_t threshold, uint16_t* const* dst) {
+#if FLARE_VEC_BYTES == 64 && defined(__AVX512F__)
+  __m512i out[4];
+  lane_bytes(r, out);
+  const __m512i thr = _mm512_set1_epi8(static_cast<char>(threshold));
+  for (int x = 0; x < 4; ++x) {
+    const __mmask64 keep = _mm512_cmpge_epu8_mask(out[x], thr);  // 4 lanes x 16 keys
+    for (int y = 0; y < 4; ++y)
+      if (uint16_t* to = dst[4 * x + y]) *to = static_cast<uint16_t>(keep >> (16 * y));
+  }
+#else
+  for (int l = 0; l < kPhiloxLanes; ++l) {
+    if (!dst[l]) continue;
+    uint16_t bits = 0;
+    for (int x = 0; x < 16; ++x)
+      bits |= static_cast<uint16_t>((((r.w[x / 4][l] >> (8 * (x % 4))) & 0xFFu) >= threshold ? 1u : 0u) << x);
+    *dst[l] = bits;
+  }
+#endif
+}
+
+// Where dropout_tile's draws go: each (row, 16 keys) piece's 16 factors (Factors) or 16 keep bits (Bits).
+struct DropoutFactors {
+  float* z;
+  int64_t ld;  // floats per row
+  using Dst = float*;
+  Dst at(int64_t r, int64_t group) const { return z + r * ld + 16 * group; }
+  void store(const PhiloxLanes& w, const DropoutDraw& d, Dst const* dst) const {
+    store_factors(w, d.threshold, static_cast<float>(d.scale), dst);
+  }
+};
+struct DropoutBits {
+  uint16_t* bits;
+  int64_t ld;  // masks per row
+  using Dst = uint16_t*;
+  Dst at(int64_t r, int64_t group) const { return bits + r * ld + group; }
+  void store(const PhiloxLanes& w, const DropoutDraw& d, Dst const* dst) const { store_bits(w, d.threshold, dst); }
+};
+
+// The draws of a tile, (query i0 + r, key j0 + c) for r < rows, c < cols; j0 % 16 == 0 and cols % 16 == 0, into
+// out (DropoutFactors or DropoutBits). Each lane draws one (row, 16 keys) piece, so rows of few key groups share
+// a draw's lanes (a 128-key block fills the 16 lanes of AVX-512 with two rows).
+template <class Out>
+inline void dropout_pieces(const DropoutDraw& d, uint32_t stream, int64_t i0, int64_t rows, int64_t j0,
+                           int64_t cols, const Out& out) {
   const int64_t groups = cols / 16, pieces = rows * groups;
-  const float kept = static_cast<float>(d.scale);
   // The counters of a batch's lanes: piece p is (row p / groups, group p % groups). When a batch holds whole
   // rows (groups divides kPhiloxLanes) or rows hold whole batches (the reverse), the pattern repeats from
   // batch to batch: it is set up once and moved along by vector adds.
   const bool periodic = kPhiloxLanes % groups == 0 || groups % kPhiloxLanes == 0;
-  PhiloxLanes ctr;
+  PhiloxLanes ctr{};
   ctr.w[2] = PhiloxU32{} + stream;
   ctr.w[3] = PhiloxU32{} + d.key.offset;
   for (int l = 0; l < kPhiloxLanes; ++l) {
     ctr.w[0][l] = static_cast<uint32_t>(j0 / 16 + l % groups);
     ctr.w[1][l] = static_cast<uint32_t>(i0 + l / groups);
   }
+  int64_t row = 0, group = 0;  // piece p0's (p0 / groups, p0 % groups), stepped along without divisions
   for (int64_t p0 = 0; p0 < pieces; p0 += kPhiloxLanes) {
-    float* dst[kPhiloxLanes];
+    typename Out::Dst dst[kPhiloxLanes];
     for (int l = 0; l < kPhiloxLanes; ++l) {
-      const int64_t p = p0 + l;
-      dst[l] = p < pieces ? z + (p / groups) * ld + 16 * (p % groups) : nullptr;
+      dst[l] = p0 + l < pieces ? out.at(row, group) : nullptr;
       if (!periodic) {
-        ctr.w[0][l] = static_cast<uint32_t>(j0 / 16 + p % groups);
-        ctr.w[1][l] = static_cast<uint32_t>(i0 + p / groups);
+        ctr.w[0][l] = static_cast<uint32_t>(j0 / 16 + group);
+        ctr.w[1][l] = static_cast<uint32_t>(i0 + row);
       }
+      if (++group == groups) group = 0, ++row;
     }
-    store_factors(philox_lanes(ctr, d.key.k0, d.key.k1), d.threshold, kept, dst);
+    out.store(philox_lanes(ctr, d.key.k0, d.key.k1), d, dst);
     if (periodic) {
       if (kPhiloxLanes % groups == 0) {
         ctr.w[1] += static_cast<uint32_t>(kPhiloxLanes / groups);  // the next batch's rows
@@ -198,6 +248,18 @@ inline void dropout_tile(const DropoutDraw& d, uint32_t stream, int64_t i0, int6
       }
     }
   }
+}
+
+// The factors of a tile: z[r * ld + c] for (query i0 + r, key j0 + c): scale where kept, 0 where dropped.
+inline void dropout_tile(const DropoutDraw& d, uint32_t stream, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
+                         float* z, int64_t ld) {
+  dropout_pieces(d, stream, i0, rows, j0, cols, DropoutFactors{z, ld});
+}
+
+// The keep bits of a tile: bit x of bits[r * ld + g] for (query i0 + r, key j0 + 16 g + x).
+inline void dropout_tile_bits(const DropoutDraw& d, uint32_t stream, int64_t i0, int64_t rows, int64_t j0,
+                              int64_t cols, uint16_t* bits, int64_t ld) {
+  dropout_pieces(d, stream, i0, rows, j0, cols, DropoutBits{bits, ld});
 }
 
 // z[c] = the factor of (query i, key j0 + c) for c < n: scale where kept, 0 where dropped. j0 % 16 == 0.

@@ -31,7 +31,7 @@ struct Bf16Forward {
       uint16_t* p;       // probabilities in bf16, kBq x kBk
       float* o;          // output accumulator, kBq x dims.o_width()
       float *m, *l;      // running max and sum
-      float* z;          // the tile's dropout factors, kBq x kBk
+      uint16_t* keep;    // the tile's dropout keep bits, kBq x kBk / 16 masks
     };
     PerThread* threads = nullptr;
 
@@ -46,7 +46,8 @@ struct Bf16Forward {
         Word* vp = t < packs ? a.take<Word>(nkb * dims.v_block()) : threads ? threads[0].vpack : nullptr;
         uint8_t* vf = t < packs ? a.take<uint8_t>(nkb * kBk) : threads ? threads[0].v_flags : nullptr;
         PerThread pt{kp, vp, vf, a.take<Word>(kBq * dims.q_row()), a.take<float>(kBq * kBk), a.take<uint16_t>(kBq * kBk),
-                     a.take<float>(kBq * dims.o_width()), a.take<float>(kBq), a.take<float>(kBq), a.take<float>(kBq * kBk)};
+                     a.take<float>(kBq * dims.o_width()), a.take<float>(kBq), a.take<float>(kBq),
+                     a.take<uint16_t>(kBq * kBk / 16)};
         if (threads) threads[t] = pt;
       }
     }
@@ -109,6 +110,7 @@ struct Bf16Forward {
     const bool dropping = p.dropout_p > 0.0f;  // P times its keep factors before O += P V (l stays undropped)
     const DropoutDraw draw = dropout_draw(p);
     const uint32_t stream = dropout_stream(p, seq, h);
+    const float kept = static_cast<float>(draw.scale);
 
     for (int64_t kb = first / kBk; first <= last && kb <= last / kBk; ++kb) {
       const int64_t j0 = kb * kBk;
@@ -124,15 +126,15 @@ struct Bf16Forward {
         shape_scores<float>(t.s, kBk, rows, cols, i0, j0, mask, shape, nullptr);
         row_scale = 1.0f;
       }
-      if (dropping) dropout_tile(draw, stream, i0, rows, j0, cols, t.z, kBk);
+      if (dropping) dropout_tile_bits(draw, stream, i0, rows, j0, cols, t.keep, kBk / 16);
       for (int64_t r = 0; r < product_rows; ++r) {
         uint16_t* prow = t.p + r * kBk;
         if (r >= rows) {
           std::memset(prow, 0, cols * sizeof(uint16_t));
           continue;
         }
-        const float alpha = online_softmax_row<float>(t.s + r * kBk, cols, row_scale, t.m[r], t.l[r],
-                                                      Bf16PairWriter(prow, dropping ? t.z + r * kBk : nullptr),
+        const Bf16PairWriter write(prow, dropping ? t.keep + r * kBk / 16 : nullptr, kept);
+        const float alpha = online_softmax_row<float>(t.s + r * kBk, cols, row_scale, t.m[r], t.l[r], write,
                                                       RowExpBf16{});
         if (alpha != 1.0f) scale_row<float>(t.o + r * ldo, ldo, alpha);
       }
