@@ -29,6 +29,7 @@
 #include "cpu/merge_rows.hpp"
 #include "cpu/sequences.hpp"
 #include "cpu/simd.hpp"
+#include "cpu/team.hpp"
 
 namespace flare::cpu::FLARE_ISA {
 
@@ -349,8 +350,7 @@ inline void run_decode(const Problem& p, void* scratch, int nt) {
   const bool split_pairs = kDecodeSplitsPairs && in_place && p.dtype == FLARE_DTYPE_BF16 && p.headdim % 32 == 0 &&
                      p.headdim_v % 32 == 0;
   constexpr float kInf = std::numeric_limits<float>::infinity();
-#pragma omp parallel num_threads(nt)
-  {
+  on_team(nt, [&]() {
     const DecodeScratch::PerThread& t = ws.threads[omp_get_thread_num()];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
@@ -406,7 +406,7 @@ inline void run_decode(const Problem& p, void* scratch, int nt) {
         decode_store(p, seq, hk, r, acc, 1.0f, lse);
       }
     }
-  }
+  });
 }
 
 inline size_t decode_scratch_bytes(const Problem& p, int nt) {

@@ -10,6 +10,7 @@
 
 #include "cpu/arena.hpp"
 #include "cpu/sequences.hpp"
+#include "cpu/team.hpp"
 
 namespace flare::cpu::FLARE_ISA {
 
@@ -80,8 +81,7 @@ inline void run_groups(const Problem& p, void* scratch, int nt, Group group) {
   ws.layout(arena, p, nt);
   const bool private_groups = use_private_groups(p, nt);
 
-#pragma omp parallel num_threads(nt)
-  {
+  on_team(nt, [&]() {
     const int tid = omp_get_thread_num();
     Engine::thread_begin();
     if (private_groups) {
@@ -93,7 +93,7 @@ inline void run_groups(const Problem& p, void* scratch, int nt, Group group) {
         for (int64_t hk = 0; hk < p.nheads_k; ++hk) group(ws, sequence_of(p, b), hk, tid, std::true_type{});
     }
     Engine::thread_end();
-  }
+  });
 }
 
 }  // namespace flare::cpu::FLARE_ISA

@@ -7,6 +7,7 @@
 #define FLARE_VEC_BYTES 16
 #include "cpu/cpu_backend.hpp"
 #include "cpu/sequences.hpp"
+#include "cpu/team.hpp"
 
 namespace flare::cpu {
 namespace {
@@ -51,28 +52,32 @@ Problem kvcache_prepare(const Problem& p, char* scratch, int nt) {
   const int64_t es = dtype_size(p.dtype);
   // Append: new key i of sequence b goes to cache slot cache_len + i (logical row cache_len - leftpad + i).
   if (p.seqlen_new > 0) {
-#pragma omp parallel for collapse(2) schedule(static) num_threads(nt)
-    for (int64_t b = 0; b < p.batch; ++b) {
-      for (int64_t hk = 0; hk < p.nheads_k; ++hk) {
-        const Sequence seq = sequence_of(p, b);
-        const int64_t first = cached_len(p, b) - seq.leftpad;  // logical row of the first new key
-        const RowPtr kc = key_rows(p, p.k, seq, hk), vc = key_rows(p, p.v, seq, hk);
-        const char* kn = static_cast<const char*>(p.k_new.data) + (b * p.k_new.batch_stride + hk * p.k_new.head_stride) * es;
-        const char* vn = static_cast<const char*>(p.v_new.data) + (b * p.v_new.batch_stride + hk * p.v_new.head_stride) * es;
-        double row[kMaxHeaddim];
-        for (int64_t i = 0; i < p.seqlen_new; ++i) {
-          const char* ksrc = kn + i * p.k_new.row_stride * es;
-          if (p.rotary_dim > 0) {
-            load_row<double>(ksrc, p.dtype, row, p.headdim, 1.0);
-            rotate(p, row, cached_len(p, b) + i);  // rotary positions are cache slots
-            store_row<double>(row, 1.0, kc.row(first + i), p.dtype, p.headdim);
-          } else {
-            std::memcpy(kc.row(first + i), ksrc, p.headdim * es);
+    on_team(nt, [&]() {
+#pragma omp for collapse(2) schedule(static)
+      for (int64_t b = 0; b < p.batch; ++b) {
+        for (int64_t hk = 0; hk < p.nheads_k; ++hk) {
+          const Sequence seq = sequence_of(p, b);
+          const int64_t first = cached_len(p, b) - seq.leftpad;  // logical row of the first new key
+          const RowPtr kc = key_rows(p, p.k, seq, hk), vc = key_rows(p, p.v, seq, hk);
+          const char* kn = static_cast<const char*>(p.k_new.data) +
+                              (b * p.k_new.batch_stride + hk * p.k_new.head_stride) * es;
+          const char* vn = static_cast<const char*>(p.v_new.data) +
+                              (b * p.v_new.batch_stride + hk * p.v_new.head_stride) * es;
+          double row[kMaxHeaddim];
+          for (int64_t i = 0; i < p.seqlen_new; ++i) {
+            const char* ksrc = kn + i * p.k_new.row_stride * es;
+            if (p.rotary_dim > 0) {
+              load_row<double>(ksrc, p.dtype, row, p.headdim, 1.0);
+              rotate(p, row, cached_len(p, b) + i);  // rotary positions are cache slots
+              store_row<double>(row, 1.0, kc.row(first + i), p.dtype, p.headdim);
+            } else {
+              std::memcpy(kc.row(first + i), ksrc, p.headdim * es);
+            }
+            std::memcpy(vc.row(first + i), vn + i * p.v_new.row_stride * es, p.headdim_v * es);
           }
-          std::memcpy(vc.row(first + i), vn + i * p.v_new.row_stride * es, p.headdim_v * es);
         }
       }
-    }
+    });
   }
   if (p.rotary_dim == 0) return p;
 
@@ -82,20 +87,22 @@ Problem kvcache_prepare(const Problem& p, char* scratch, int nt) {
   char* q_rot = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(scratch) + 63) / 64 * 64);
   attend.q = {q_rot, p.seqlen_q * p.nheads * p.headdim, p.nheads * p.headdim, p.headdim};
   const bool per_query = p.score.window_left >= 0 || p.score.window_right >= 0;
-#pragma omp parallel for collapse(2) schedule(static) num_threads(nt)
-  for (int64_t b = 0; b < p.batch; ++b) {
-    for (int64_t h = 0; h < p.nheads; ++h) {
-      const Sequence seq = sequence_of(p, b);
-      const int64_t first = cached_len(p, b);
-      const RowPtr src = query_rows(p, p.q, seq, h), dst = query_rows(attend, attend.q, seq, h);
-      double row[kMaxHeaddim];
-      for (int64_t i = 0; i < p.seqlen_q; ++i) {
-        load_row<double>(src.row(i), p.dtype, row, p.headdim, 1.0);
-        rotate(p, row, first + (per_query ? i : 0));
-        store_row<double>(row, 1.0, dst.row(i), p.dtype, p.headdim);
+  on_team(nt, [&]() {
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t b = 0; b < p.batch; ++b) {
+      for (int64_t h = 0; h < p.nheads; ++h) {
+        const Sequence seq = sequence_of(p, b);
+        const int64_t first = cached_len(p, b);
+        const RowPtr src = query_rows(p, p.q, seq, h), dst = query_rows(attend, attend.q, seq, h);
+        double row[kMaxHeaddim];
+        for (int64_t i = 0; i < p.seqlen_q; ++i) {
+          load_row<double>(src.row(i), p.dtype, row, p.headdim, 1.0);
+          rotate(p, row, first + (per_query ? i : 0));
+          store_row<double>(row, 1.0, dst.row(i), p.dtype, p.headdim);
+        }
       }
     }
-  }
+  });
   return attend;
 }
 

@@ -9,6 +9,7 @@
 
 #include "cpu/cpu_backend.hpp"
 #include "cpu/merge_rows.hpp"
+#include "cpu/team.hpp"
 
 namespace flare::cpu {
 namespace {
@@ -44,13 +45,15 @@ void merge_row(const MergeProblem& p, int64_t b, int64_t t, int64_t h) {
 template <class T>
 void merge_all(const MergeProblem& p, int nt) {
   const int64_t rows = p.batch * p.seqlen * p.nheads;
-#pragma omp parallel for num_threads(nt) schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t h = r % p.nheads;
-    const int64_t t = (r / p.nheads) % p.seqlen;
-    const int64_t b = r / (p.nheads * p.seqlen);
-    merge_row<T>(p, b, t, h);
-  }
+  on_team(nt, [&]() {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t h = r % p.nheads;
+      const int64_t t = (r / p.nheads) % p.seqlen;
+      const int64_t b = r / (p.nheads * p.seqlen);
+      merge_row<T>(p, b, t, h);
+    }
+  });
 }
 
 }  // namespace
