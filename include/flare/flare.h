@@ -150,8 +150,9 @@ typedef struct flare_attn_options {
 typedef struct flare_exec_options {
   void* stream;           /* CUDA: a cudaStream_t (NULL = the default stream). CPU: ignored. */
   int32_t num_threads;    /* CPU: worker threads; 0 = OpenMP's default, fewer for small problems
-                             (about one thread per 16 MFLOP of work); at most the larger of 1024 and the
-                             processor count, and at most OMP_THREAD_LIMIT (else FLARE_INVALID_ARGUMENT) */
+                             (about one thread per 16 MFLOP of work or 512 KiB of q, k, v and out, whichever
+                             asks more); at most the larger of 1024 and the processor count, and at most
+                             OMP_THREAD_LIMIT (else FLARE_INVALID_ARGUMENT) */
   void* workspace;        /* optional scratch; NULL = flare allocates (see *_workspace_size) */
   size_t workspace_size;  /* bytes available at workspace */
 } flare_exec_options;
