@@ -105,11 +105,10 @@ inline void prefetch_l2(const char* row, int64_t bytes) {
 
 // The next chunk's K and V rows, requested into L2 in memory order (key by key: a key's K rows of every head,
 // then its V rows), a slice of 1 / nh of them per head step, spread over that step's tiles a few rows per
-// call. Issued in one burst per head step, the slice's 256 prefetches (bf16, 8 kv heads) filled the reorder
-// window and the line-fill buffers, and the tiles' arithmetic waited on them instead of running beside
-// them: on one core bf16 read 7.7 GB/s from memory against 17.7 from L2, about the sum of the two times.
-// Each head step sizes its calls from the count of the previous one; what is left is issued when the next
-// step begins.
+// call. Issued in one burst per head step, the slice's prefetches (256 at bf16, 8 kv heads) filled the
+// reorder window and the line-fill buffers, and the tiles' arithmetic waited on them instead of running
+// beside them (docs/tuning-cpu.md, "Overlapping the prefetch"). Each head step sizes its calls from the
+// count of the previous one; what is left is issued when the next step begins.
 class ChunkPrefetch {
  public:
   ChunkPrefetch(const RowPtr* k, const RowPtr* v, int64_t nh, int64_t kbytes, int64_t vbytes)
