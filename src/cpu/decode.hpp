@@ -295,33 +295,29 @@ inline void decode_item(const Problem& p, const DecodeScratch& ws, const DecodeS
         softmax_chunk_row(p, seq, mask, hk * group + r / seq.seqlen_q, r % seq.seqlen_q, jc, n, masked,
                           t.s + r * C, t.m[h * R + r], t.l[h * R + r], o + r * dvp, dvp);
       chunk_rows(p, vrows[h], jc, n, p.headdim_v, dvp, t.v, vp);
+      // O += P V for kRows rows from r over the chunk's keys [a, b): the split tiles or the widening ones.
+      const auto add_values = [&](auto rows, int64_t r, int64_t a, int64_t b) {
+        constexpr int kRows = decltype(rows)::value;
 #if defined(__AVX512F__) && FLARE_VEC_BYTES == 64
-      if constexpr (kSplit) {
-        if (!masked) {
-          int64_t r = 0;
-          for (; r + 4 <= R; r += 4)
-            accumulate_pv_split<4>(t.s + r * C, C, vp, 0, n, o + r * dvp, dvp, dvp, prefetch);
-          for (; r < R; ++r) accumulate_pv_split<1>(t.s + r * C, C, vp, 0, n, o + r * dvp, dvp, dvp, prefetch);
-          continue;
+        if constexpr (kSplit) {
+          accumulate_pv_split<kRows>(t.s + r * C, C, vp, a, b, o + r * dvp, dvp, dvp, prefetch);
+        } else {
+          accumulate_pv<kRows>(t.s + r * C, C, vp, a, b, o + r * dvp, dvp, dvp, prefetch);
         }
-        for (int64_t r = 0; r < R; ++r) {
-          const policy::KeyRange seen = mask.keys_of(r % seq.seqlen_q);
-          const int64_t a = smax(seen.first, jc) - jc, b = smin(seen.last + 1, jc + n) - jc;
-          if (a < b) accumulate_pv_split<1>(t.s + r * C, C, vp, a, b, o + r * dvp, dvp, dvp, prefetch);
-        }
-        continue;
-      }
+#else
+        accumulate_pv<kRows>(t.s + r * C, C, vp, a, b, o + r * dvp, dvp, dvp, prefetch);
 #endif
+      };
       if (!masked) {
         int64_t r = 0;
-        for (; r + 4 <= R; r += 4) accumulate_pv<4>(t.s + r * C, C, vp, 0, n, o + r * dvp, dvp, dvp, prefetch);
-        for (; r < R; ++r) accumulate_pv<1>(t.s + r * C, C, vp, 0, n, o + r * dvp, dvp, dvp, prefetch);
+        for (; r + 4 <= R; r += 4) add_values(std::integral_constant<int, 4>{}, r, 0, n);
+        for (; r < R; ++r) add_values(std::integral_constant<int, 1>{}, r, 0, n);
         continue;
       }
       for (int64_t r = 0; r < R; ++r) {
         const policy::KeyRange seen = mask.keys_of(r % seq.seqlen_q);
         const int64_t a = smax(seen.first, jc) - jc, b = smin(seen.last + 1, jc + n) - jc;
-        if (a < b) accumulate_pv<1>(t.s + r * C, C, vp, a, b, o + r * dvp, dvp, dvp, prefetch);
+        if (a < b) add_values(std::integral_constant<int, 1>{}, r, a, b);
       }
     }
   }

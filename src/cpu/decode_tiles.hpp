@@ -208,26 +208,26 @@ inline SplitPair load_split(const uint16_t* p) {
           _mm512_castsi512_ps(_mm512_maskz_and_epi32(0xffff, w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
 }
 
-// Row x (n floats, a multiple of 32) rewritten in split order: per 32 columns, the even ones, then the odd.
-inline void split_row(float* x, int64_t n) {
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+// Row x (n floats, a multiple of 32) rewritten 32 columns at a time: the block's first 16 become lanes `first`
+// of its two halves (as _mm512_permutex2var_ps indexes them), the next 16 lanes `second`.
+inline void permute_row_blocks(float* x, int64_t n, __m512i first, __m512i second) {
   for (int64_t c = 0; c < n; c += 32) {
     const __m512 a = _mm512_loadu_ps(x + c), b = _mm512_loadu_ps(x + c + 16);
-    _mm512_storeu_ps(x + c, _mm512_permutex2var_ps(a, even, b));
-    _mm512_storeu_ps(x + c + 16, _mm512_permutex2var_ps(a, odd, b));
+    _mm512_storeu_ps(x + c, _mm512_permutex2var_ps(a, first, b));
+    _mm512_storeu_ps(x + c + 16, _mm512_permutex2var_ps(a, second, b));
   }
+}
+
+// Row x in split order: per 32 columns, the even ones, then the odd.
+inline void split_row(float* x, int64_t n) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  permute_row_blocks(x, n, even, _mm512_add_epi32(even, _mm512_set1_epi32(1)));
 }
 
 // The inverse of split_row.
 inline void join_split_row(float* x, int64_t n) {
   const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
-  for (int64_t c = 0; c < n; c += 32) {
-    const __m512 e = _mm512_loadu_ps(x + c), o = _mm512_loadu_ps(x + c + 16);
-    _mm512_storeu_ps(x + c, _mm512_permutex2var_ps(e, low, o));
-    _mm512_storeu_ps(x + c + 16, _mm512_permutex2var_ps(e, high, o));
-  }
+  permute_row_blocks(x, n, low, _mm512_add_epi32(low, _mm512_set1_epi32(8)));
 }
 
 // score_tile on bf16 key rows, q rows in split order; d a multiple of 32.
