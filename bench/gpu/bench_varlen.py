@@ -99,6 +99,13 @@ def ratio(tflops, a, b):
     return f"{tflops[a] / tflops[b]:.3f}" if a in tflops and b in tflops else "-"
 
 
+def print_row(label, tflops, impls, width, peer, peer_width):
+    """One console row under a group's header: each implementation's TFLOP/s (width columns), then flare over
+    peer (peer_width) and over flare-sm80."""
+    print(f"{label} | " + " | ".join(f"{tflops.get(i, float('nan')):>{width}.1f}" for i in impls) +
+          f" | {ratio(tflops, 'flare', peer):>{peer_width}} {ratio(tflops, 'flare', 'flare-sm80'):>10}", flush=True)
+
+
 def run_varlen(args, causals, rows):
     """Packed forwards of each mix and head dim: flare auto, flare-sm80, FA2 varlen."""
     failed = False
@@ -119,10 +126,7 @@ def run_varlen(args, causals, rows):
                 tflops, bad = time_shape(make_fns(q, k, v, cu, max_len, causal), "fa2-varlen",
                                          4.0 * h * d * pairs_of(lengths, causal), base, args, rows)
                 failed |= bad
-                print(f"{mix:>5} {d:>4} {str(causal):>6} {len(lengths):>5} | " +
-                      " | ".join(f"{tflops.get(i, float('nan')):>10.1f}" for i in IMPLS) +
-                      f" | {ratio(tflops, 'flare', 'fa2-varlen'):>9} {ratio(tflops, 'flare', 'flare-sm80'):>10}",
-                      flush=True)
+                print_row(f"{mix:>5} {d:>4} {str(causal):>6} {len(lengths):>5}", tflops, IMPLS, 10, "fa2-varlen", 9)
     return failed
 
 
@@ -154,10 +158,7 @@ def run_pairs(args, causals, rows):
             flops = 2.0 * b * h * seqlen * seqlen * (d + dv) * (0.5 if causal else 1.0)
             tflops, bad = time_shape(fns, "torch-cudnn", flops, base, args, rows)
             failed |= bad
-            print(f"{d:>3}/{dv:<3} {seqlen:>6} {str(causal):>6} | " +
-                  " | ".join(f"{tflops.get(i, float('nan')):>11.1f}" for i in impls) +
-                  f" | {ratio(tflops, 'flare', 'torch-cudnn'):>11} {ratio(tflops, 'flare', 'flare-sm80'):>10}",
-                  flush=True)
+            print_row(f"{d:>3}/{dv:<3} {seqlen:>6} {str(causal):>6}", tflops, impls, 11, "torch-cudnn", 11)
     return failed
 
 
