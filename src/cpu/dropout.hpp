@@ -95,6 +95,9 @@ inline uint32_t dropout_stream(const Problem& p, const Sequence& seq, int64_t h)
 // dst[l] (16 floats; lanes with a null dst are skipped). The AVX2 and AVX-512 forms transpose the words across
 // lanes in registers (unpacks within 128-bit lanes, then whole 128-bit lanes moved), so that each vector's
 // bytes are whole lanes in order, compare the bytes at once and expand the keep bits into factors.
+// Byte x of lane l's draw (little-endian across its words w0..w3): the one deciding the lane's key x.
+inline uint32_t draw_byte(const PhiloxLanes& r, int l, int x) { return (r.w[x / 4][l] >> (8 * (x % 4))) & 0xFFu; }
+
 #if FLARE_VEC_BYTES == 64 && defined(__AVX512F__)
 // out[x]: the bytes of lanes 4x .. 4x + 3 in key order (lane 4x + y's 16 bytes at bytes 16y .. 16y + 15).
 inline void lane_bytes(const PhiloxLanes& r, __m512i out[4]) {
@@ -161,7 +164,7 @@ inline void store_factors(const PhiloxLanes& r, uint32_t threshold, float kept, 
 #else
   for (int l = 0; l < kPhiloxLanes; ++l) {
     if (!dst[l]) continue;
-    for (int x = 0; x < 16; ++x) dst[l][x] = ((r.w[x / 4][l] >> (8 * (x % 4))) & 0xFFu) >= threshold ? kept : 0.0f;
+    for (int x = 0; x < 16; ++x) dst[l][x] = draw_byte(r, l, x) >= threshold ? kept : 0.0f;
   }
 #endif
 }
@@ -182,8 +185,7 @@ inline void store_bits(const PhiloxLanes& r, uint32_t threshold, uint16_t* const
   for (int l = 0; l < kPhiloxLanes; ++l) {
     if (!dst[l]) continue;
     uint16_t bits = 0;
-    for (int x = 0; x < 16; ++x)
-      bits |= static_cast<uint16_t>((((r.w[x / 4][l] >> (8 * (x % 4))) & 0xFFu) >= threshold ? 1u : 0u) << x);
+    for (int x = 0; x < 16; ++x) bits |= static_cast<uint16_t>((draw_byte(r, l, x) >= threshold ? 1u : 0u) << x);
     *dst[l] = bits;
   }
 #endif
