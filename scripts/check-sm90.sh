@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Checks of the sm90 forward that need nvcc but no GPU (scripts/test.sh runs it where nvcc is installed):
-#   1. one generated sm90 unit (head dim 128, bf16) compiles for sm_90a with the flags src/CMakeLists.txt uses;
-#   2. its machine code holds HGMMA in both forms and setmaxnreg, and no local-memory traffic
+#   1. three generated sm90 units (head dims 128, 192 and 256) compile for sm_90a with the flags
+#      src/CMakeLists.txt uses;
+#   2. their machine code holds HGMMA in both forms and setmaxnreg, and no local-memory traffic
 #      (tests/cuda/check_sm90_sass.py; cuobjdump from the PyPI package nvidia-cuda-cuobjdump where the CUDA
 #      toolkit lacks it);
 #   3. tests/cuda/test_sm90_layouts.cu, compiled for the host and run: the wgmma partitions, register views and
@@ -28,11 +29,22 @@ if [[ -z $cuobjdump ]] || ! command -v nvdisasm >/dev/null; then
   cuobjdump=$bin/cuobjdump
 fi
 
-unit=src/cuda/instantiations/sm90_fwd_bf16_hdim128.cu
+# Head dim 128 (bf16), and the two whose consumers hold the most registers: 192 (fp16, which also holds the
+# configuration with V's head dim 128) and 256 (bf16). Two compile at a time.
+units=(sm90_fwd_bf16_hdim128 sm90_fwd_fp16_hdim192 sm90_fwd_bf16_hdim256)
 start=$(date +%s)
-nvcc "${flags[@]}" -O3 -gencode arch=compute_90a,code=sm_90a -c "$unit" -o "$out/sm90_fwd_bf16_hdim128.o"
-echo "check-sm90: $unit compiled for sm_90a in $(( $(date +%s) - start )) s"
-python3 tests/cuda/check_sm90_sass.py --cuobjdump "$cuobjdump" "$out/sm90_fwd_bf16_hdim128.o"
+pids=()
+for unit in "${units[@]}"; do
+  nvcc "${flags[@]}" -O3 -DNDEBUG -gencode arch=compute_90a,code=sm_90a -c "src/cuda/instantiations/$unit.cu" \
+    -o "$out/$unit.o" &
+  pids+=($!)
+  if (( ${#pids[@]} == 2 )); then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
+done
+for pid in "${pids[@]}"; do wait "$pid"; done
+echo "check-sm90: ${units[*]} compiled for sm_90a in $(( $(date +%s) - start )) s"
+objects=()
+for unit in "${units[@]}"; do objects+=("$out/$unit.o"); done
+python3 tests/cuda/check_sm90_sass.py --cuobjdump "$cuobjdump" "${objects[@]}"
 
 start=$(date +%s)
 nvcc "${flags[@]}" -O1 tests/cuda/test_sm90_layouts.cu -o "$out/test_sm90_layouts"

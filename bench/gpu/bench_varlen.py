@@ -3,8 +3,9 @@
 picks (auto), flare with the sm80 path forced, and FlashAttention 2's varlen forward as torch ships it
 (torch.ops.aten._flash_attention_forward with cumulative sequence lengths), in one process.
 
-Batches: sequences of random lengths (seeded) packed to about --tokens tokens, in two mixes: "long" (512 to
-4096 tokens each) and "short" (64 to 512, as packed fine-tuning data gives); head dims 64 / 128 / 256, bf16,
+Batches: sequences of random lengths (seeded) packed to about --tokens tokens, in four mixes: "tiny" (16 to 128
+tokens each), "short" (64 to 512, as packed fine-tuning data gives), "mid" (256 to 1024) and "long" (512 to
+4096); flare on auto and on each forced path (sm90, sm80); head dims 64 / 128 / 256, bf16,
 causal and not; nheads = --width / head dim. FLOPs count the (query, key) pairs each sequence computes (causal:
 bottom-right, the key count of every row), 4 · pairs · head dim per head. Timing: triton.testing.do_bench
 (CUDA events, L2 flushed, median) of the Python call, which every implementation pays alike. Before timing,
@@ -33,8 +34,8 @@ sys.path.insert(0, str(REPO / "python"))
 
 import meta as run_meta  # noqa: E402
 
-MIXES = {"long": (512, 4096), "short": (64, 512)}
-IMPLS = ["flare", "flare-sm80", "fa2-varlen"]
+MIXES = {"tiny": (16, 128), "short": (64, 512), "mid": (256, 1024), "long": (512, 4096)}
+IMPLS = ["flare", "flare-sm90", "flare-sm80", "fa2-varlen"]
 CHECK_TOLERANCE = 2.0 ** -5
 RATIO_KEYS = {"fa2-varlen": "vs_fa2", "torch-cudnn": "vs_cudnn"}  # flare's row: its ratio to each peer
 
@@ -62,7 +63,8 @@ def make_fns(q, k, v, cu, max_len, causal):
     def fa2():
         return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0, causal, False)[0]
 
-    return {"flare": flare_fn("auto"), "flare-sm80": flare_fn("sm80"), "fa2-varlen": fa2}
+    return {"flare": flare_fn("auto"), "flare-sm90": flare_fn("sm90"), "flare-sm80": flare_fn("sm80"),
+            "fa2-varlen": fa2}
 
 
 def time_shape(fns, peer, flops, base, args, rows):
@@ -107,7 +109,7 @@ def print_row(label, tflops, impls, width, peer, peer_width):
 
 
 def run_varlen(args, causals, rows):
-    """Packed forwards of each mix and head dim: flare auto, flare-sm80, FA2 varlen."""
+    """Packed forwards of each mix and head dim: flare auto, flare-sm90, flare-sm80, FA2 varlen."""
     failed = False
     print(f"{'mix':>5} {'hd':>4} {'causal':>6} {'seqs':>5} | " + " | ".join(f"{i:>10}" for i in IMPLS) +
           " | flare/fa2 flare/sm80 (TFLOP/s)", flush=True)

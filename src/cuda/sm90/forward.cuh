@@ -46,15 +46,33 @@ __device__ __forceinline__ uint32_t barrier_id(FwdBarrier b, int offset = 0) {
   return static_cast<uint32_t>(b) + static_cast<uint32_t>(offset);
 }
 
+// The same shared-memory descriptors with a base the compiler cannot see through. Q's descriptors are the
+// same on every key block, so without this the compiler computes one per k step once and holds them all
+// across the key loop: 2 registers each, 32 at head dim 256, which spilled the consumers (LDL/STL). Laundered
+// at each use, each k step's descriptor is one add issued beside its wgmma.
+template <class TA>
+__device__ __forceinline__ auto opaque_descriptors(TA const& a) {
+  GMMA::DescriptorIterator it = a.data();
+  asm volatile("" : "+r"(it.desc_.reg32_[0]));
+  return make_tensor(it, a.layout());
+}
+
 // acc (+)= A·B over the k extent of the operands, issued as one wgmma batch (not waited for). A is a
 // register fragment (P) or shared-memory descriptors (Q).
 template <bool kZeroInit, class Mma, class TA, class TB, class TC>
-__device__ __forceinline__ void wgmma(Mma& mma, TA const& a, TB const& b, TC& acc) {
+__device__ __forceinline__ void wgmma(Mma& mma, TA const& a_in, TB const& b, TC& acc) {
   constexpr bool kRegA = !std::is_same_v<typename TA::value_type, GMMA::DescriptorIterator::value_type>;
-  if constexpr (kRegA) warpgroup_fence_operand(const_cast<TA&>(a));
+  if constexpr (kRegA) warpgroup_fence_operand(const_cast<TA&>(a_in));
   warpgroup_fence_operand(acc);
   warpgroup_arrive();
   mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  auto&& a = [&]() -> decltype(auto) {
+    if constexpr (kRegA) {
+      return (a_in);
+    } else {
+      return opaque_descriptors(a_in);
+    }
+  }();
   CUTE_UNROLL
   for (int k = 0; k < size<2>(a); ++k) {
     cute::gemm(mma, a(_, _, k), b(_, _, k), acc);
@@ -62,7 +80,7 @@ __device__ __forceinline__ void wgmma(Mma& mma, TA const& a, TB const& b, TC& ac
   }
   warpgroup_commit_batch();
   warpgroup_fence_operand(acc);
-  if constexpr (kRegA) warpgroup_fence_operand(const_cast<TA&>(a));
+  if constexpr (kRegA) warpgroup_fence_operand(const_cast<TA&>(a_in));
 }
 
 // Converts fp32 accumulators into a 16-bit register tensor of the same size, element for element.
@@ -384,7 +402,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) forward_kernel(const __grid_co
   extern __shared__ char smem[];
   auto& ss = *reinterpret_cast<typename T::SharedStorage*>(smem);
   AttnParams const& p = params.attn;
-  const FwdTileScheduler scheduler{(p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.nheads, p.batch};
+  // Built by each role after its register reconfiguration: a value live across setmaxnreg is spilled.
+  const auto tile_scheduler = [&] {
+    return FwdTileScheduler{(p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.nheads, p.batch};
+  };
   const auto key_blocks = [&](FwdTileCoord tile, Sequence const& seq) {
     const policy::WindowMask mask{seq.len_q, seq.len_k, p.window_left, p.window_right};
     const int m0 = tile.m_block * T::kBlockM;
@@ -408,6 +429,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) forward_kernel(const __grid_co
       cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
       cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
       cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+      const FwdTileScheduler scheduler = tile_scheduler();
       for (int64_t t = blockIdx.x; t < scheduler.tiles(); t += gridDim.x) {
         const FwdTileCoord tile = scheduler.at(t);
         const Sequence seq(p, tile.batch);
@@ -422,6 +444,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) forward_kernel(const __grid_co
         cutlass::arch::NamedBarrier::arrive(256, barrier_id(FwdBarrier::kWarpgroupTurn, 0));
       }
     }
+    const FwdTileScheduler scheduler = tile_scheduler();
     for (int64_t t = blockIdx.x; t < scheduler.tiles(); t += gridDim.x) {
       const FwdTileCoord tile = scheduler.at(t);
       const Sequence seq(p, tile.batch);
