@@ -89,11 +89,20 @@ std::string sm90_rejection(const Problem& p, const DeviceProps& dev, const Built
   return {};
 }
 
+std::string sm90_slower(const Problem& p) {
+  if (!p.varlen || p.batch <= 0) return {};
+  const int64_t mean = p.total_q / p.batch;
+  if (mean >= kSm90VarlenMinMeanTokens) return {};
+  return cat("a varlen batch of short sequences (", mean, " query tokens on average, under ",
+             kSm90VarlenMinMeanTokens, ") runs faster on the sm80 path");
+}
+
 PathChoice choose_arch_path(const Problem& p, flare_arch_path request, const DeviceProps& dev,
                             const BuiltKernels& built, int sm90_smem_bytes) {
   PathChoice c;
   if (request == FLARE_ARCH_PATH_SM80) return c;
   std::string why_not = sm90_rejection(p, dev, built, sm90_smem_bytes);
+  if (why_not.empty() && request == FLARE_ARCH_PATH_AUTO) why_not = sm90_slower(p);
   if (why_not.empty()) {
     c.path = ArchPath::kSm90;
   } else if (request == FLARE_ARCH_PATH_SM90) {

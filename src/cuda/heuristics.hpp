@@ -87,15 +87,25 @@ bool requested_arch_path(const detail::Problem& p, const char* env, flare_arch_p
 std::string sm90_rejection(const detail::Problem& p, const DeviceProps& dev, const BuiltKernels& built,
                            int sm90_smem_bytes);
 
+// Varlen batches whose sequences hold fewer query tokens than this on average run faster on the sm80 path,
+// though the sm90 path runs them: a 128-row sm90 tile of a short sequence is partly empty and walks few key
+// blocks, so its prologue and epilogue weigh, where sm80 takes 64-row tiles for short work. Measured with
+// bench/gpu/bench_varlen.py (docs/performance.md, the H100 section).
+inline constexpr int64_t kSm90VarlenMinMeanTokens = 512;
+
+// Why AUTO gives a call the sm80 path although the sm90 path could run it (sm80 measured faster), or "" when
+// the sm90 path is the faster. Forced sm90 still runs such a call.
+std::string sm90_slower(const detail::Problem& p);
+
 struct PathChoice {
   ArchPath path = ArchPath::kSm80;
   std::string unsupported;  // not empty: the request cannot be met, the call fails with FLARE_UNSUPPORTED and this
-  std::string fallback;     // sm80 under AUTO: why not sm90 (sm90_rejection's text); "" otherwise
+  std::string fallback;     // sm80 under AUTO: why not sm90 (sm90_rejection's or sm90_slower's text); "" otherwise
 };
 
-// AUTO: the sm90 path where sm90_rejection has nothing against the call, else the sm80 path, which runs every
-// call on compute capability 8.0+ (checked apart: backend.cu names the GPU). SM80: the sm80 path. SM90: the sm90
-// path, or unsupported saying why not.
+// AUTO: the sm90 path where sm90_rejection and sm90_slower have nothing against the call, else the sm80 path,
+// which runs every call on compute capability 8.0+ (checked apart: backend.cu names the GPU). SM80: the sm80
+// path. SM90: the sm90 path where sm90_rejection allows it, or unsupported saying why not.
 PathChoice choose_arch_path(const detail::Problem& p, flare_arch_path request, const DeviceProps& dev,
                             const BuiltKernels& built, int sm90_smem_bytes);
 

@@ -218,6 +218,31 @@ TEST(CudaHeuristics, FallbacksSayWhy) {
                             "this GPU allows 101376");
 }
 
+// A varlen batch of short sequences runs on sm80 under AUTO (measured faster there) and on sm90 when forced; the
+// rule reads the mean query tokens per sequence, and dense calls of any length keep the sm90 path.
+TEST(CudaHeuristics, ShortVarlenBatchesTakeSm80UnderAuto) {
+  Problem p = forward_call();
+  p.varlen = true;
+  p.cu_seqlens_q = p.cu_seqlens_k = kUsed;
+  p.batch = 100;
+  p.total_q = p.total_k = 100 * (kSm90VarlenMinMeanTokens - 1);
+  const PathChoice autod = choose_arch_path(p, FLARE_ARCH_PATH_AUTO, kH200, kFull, kSm90Smem);
+  EXPECT_EQ(autod.path, ArchPath::kSm80);
+  EXPECT_EQ(autod.fallback, sm90_slower(p));
+  EXPECT_TRUE(contains(autod.fallback, "511 query tokens on average")) << autod.fallback;
+  const PathChoice forced = choose_arch_path(p, FLARE_ARCH_PATH_SM90, kH200, kFull, kSm90Smem);
+  EXPECT_EQ(forced.path, ArchPath::kSm90);
+  EXPECT_TRUE(forced.unsupported.empty()) << forced.unsupported;
+  p.total_q = 100 * kSm90VarlenMinMeanTokens;  // the mean reaches the threshold
+  EXPECT_EQ(sm90_slower(p), "");
+  EXPECT_EQ(choose_arch_path(p, FLARE_ARCH_PATH_AUTO, kH200, kFull, kSm90Smem).path, ArchPath::kSm90);
+  Problem dense = forward_call();
+  dense.seqlen_q = dense.seqlen_k = 64;
+  dense.total_q = dense.total_k = 128;
+  EXPECT_EQ(sm90_slower(dense), "");
+  EXPECT_EQ(choose_arch_path(dense, FLARE_ARCH_PATH_AUTO, kH200, kFull, kSm90Smem).path, ArchPath::kSm90);
+}
+
 TEST(CudaHeuristics, ForcedPaths) {
   Problem p = forward_call();
   EXPECT_EQ(choose_arch_path(p, FLARE_ARCH_PATH_SM90, kH200, kFull, kSm90Smem).path, ArchPath::kSm90);
