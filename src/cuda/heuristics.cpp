@@ -92,9 +92,10 @@ std::string sm90_rejection(const Problem& p, const DeviceProps& dev, const Built
 std::string sm90_slower(const Problem& p) {
   if (!p.varlen || p.batch <= 0) return {};
   const int64_t mean = p.total_q / p.batch;
-  if (mean >= kSm90VarlenMinMeanTokens) return {};
-  return cat("a varlen batch of short sequences (", mean, " query tokens on average, under ",
-             kSm90VarlenMinMeanTokens, ") runs faster on the sm80 path");
+  const int64_t floor = p.headdim <= 64 ? kSm90VarlenMinMeanTokensHd64 : kSm90VarlenMinMeanTokens;
+  if (mean >= floor) return {};
+  return cat("a varlen batch of short sequences (", mean, " query tokens on average, under ", floor,
+             " at head dim ", p.headdim, ") runs faster on the sm80 path");
 }
 
 PathChoice choose_arch_path(const Problem& p, flare_arch_path request, const DeviceProps& dev,

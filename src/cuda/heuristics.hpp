@@ -89,9 +89,12 @@ std::string sm90_rejection(const detail::Problem& p, const DeviceProps& dev, con
 
 // Varlen batches whose sequences hold fewer query tokens than this on average run faster on the sm80 path,
 // though the sm90 path runs them: a 128-row sm90 tile of a short sequence is partly empty and walks few key
-// blocks, so its prologue and epilogue weigh, where sm80 takes 64-row tiles for short work. Measured with
-// bench/gpu/bench_varlen.py (docs/performance.md, the H100 section).
+// blocks, so its prologue and epilogue weigh, where sm80 takes 64-row tiles for short work. Head dims up to 64
+// (the least matmul work per tile) keep the sm80 path to longer sequences. Measured with
+// bench/gpu/bench_varlen.py on an H100 (bench/results/gpu-varlen-2026-12-06-a926da4.json: mixes of 73, 303,
+// 642 and 2520 tokens per sequence on average; docs/performance.md's H100 section).
 inline constexpr int64_t kSm90VarlenMinMeanTokens = 512;
+inline constexpr int64_t kSm90VarlenMinMeanTokensHd64 = 1024;
 
 // Why AUTO gives a call the sm80 path although the sm90 path could run it (sm80 measured faster), or "" when
 // the sm90 path is the faster. Forced sm90 still runs such a call.

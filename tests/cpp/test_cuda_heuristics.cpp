@@ -229,12 +229,16 @@ TEST(CudaHeuristics, ShortVarlenBatchesTakeSm80UnderAuto) {
   const PathChoice autod = choose_arch_path(p, FLARE_ARCH_PATH_AUTO, kH200, kFull, kSm90Smem);
   EXPECT_EQ(autod.path, ArchPath::kSm80);
   EXPECT_EQ(autod.fallback, sm90_slower(p));
-  EXPECT_TRUE(contains(autod.fallback, "511 query tokens on average")) << autod.fallback;
+  EXPECT_TRUE(contains(autod.fallback, "511 query tokens on average, under 512 at head dim 128")) << autod.fallback;
   const PathChoice forced = choose_arch_path(p, FLARE_ARCH_PATH_SM90, kH200, kFull, kSm90Smem);
   EXPECT_EQ(forced.path, ArchPath::kSm90);
   EXPECT_TRUE(forced.unsupported.empty()) << forced.unsupported;
   p.total_q = 100 * kSm90VarlenMinMeanTokens;  // the mean reaches the threshold
   EXPECT_EQ(sm90_slower(p), "");
+  EXPECT_EQ(choose_arch_path(p, FLARE_ARCH_PATH_AUTO, kH200, kFull, kSm90Smem).path, ArchPath::kSm90);
+  p.headdim = p.headdim_v = 64;  // head dim 64 keeps sm80 to longer sequences
+  EXPECT_TRUE(contains(sm90_slower(p), "512 query tokens on average, under 1024 at head dim 64")) << sm90_slower(p);
+  p.total_q = 100 * kSm90VarlenMinMeanTokensHd64;
   EXPECT_EQ(choose_arch_path(p, FLARE_ARCH_PATH_AUTO, kH200, kFull, kSm90Smem).path, ArchPath::kSm90);
   Problem dense = forward_call();
   dense.seqlen_q = dense.seqlen_k = 64;
