@@ -49,7 +49,7 @@ __device__ __forceinline__ uint32_t barrier_id(FwdBarrier b, int offset = 0) {
 // The same shared-memory descriptors with a base the compiler cannot see through. Q's descriptors are the
 // same on every key block, so without this the compiler computes one per k step once and holds them all
 // across the key loop: 2 registers each, 32 at head dim 256, which spilled the consumers (LDL/STL). Laundered
-// at each use, each k step's descriptor is one add issued beside its wgmma.
+// at each use, each k step's descriptor is one add issued beside its wgmma. Used where FwdTraits::kOpaqueQ.
 template <class TA>
 __device__ __forceinline__ auto opaque_descriptors(TA const& a) {
   GMMA::DescriptorIterator it = a.data();
@@ -59,18 +59,19 @@ __device__ __forceinline__ auto opaque_descriptors(TA const& a) {
 
 // acc (+)= A·B over the k extent of the operands, issued as one wgmma batch (not waited for). A is a
 // register fragment (P) or shared-memory descriptors (Q).
-template <bool kZeroInit, class Mma, class TA, class TB, class TC>
+template <bool kZeroInit, bool kOpaqueA = false, class Mma, class TA, class TB, class TC>
 __device__ __forceinline__ void wgmma(Mma& mma, TA const& a_in, TB const& b, TC& acc) {
   constexpr bool kRegA = !std::is_same_v<typename TA::value_type, GMMA::DescriptorIterator::value_type>;
+  static_assert(!(kRegA && kOpaqueA), "only shared-memory descriptors are made opaque");
   if constexpr (kRegA) warpgroup_fence_operand(const_cast<TA&>(a_in));
   warpgroup_fence_operand(acc);
   warpgroup_arrive();
   mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
   auto&& a = [&]() -> decltype(auto) {
-    if constexpr (kRegA) {
-      return (a_in);
-    } else {
+    if constexpr (kOpaqueA) {
       return opaque_descriptors(a_in);
+    } else {
+      return (a_in);
     }
   }();
   CUTE_UNROLL
@@ -253,7 +254,7 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
     {
       ss.k_ring.wait(st.k);
       turn_wait();
-      wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, st.k.stage), tSrS);
+      wgmma<true, T::kOpaqueQ>(mma_qk, tSrQ, tSrK(_, _, _, st.k.stage), tSrS);
       turn_pass();
       warpgroup_wait<0>();
       ss.k_ring.release(st.k, leader);
@@ -281,7 +282,7 @@ __device__ __forceinline__ void consume(typename T::Params const& params, typena
     const auto step = [&](int n, bool masked) __attribute__((always_inline)) {
       ss.k_ring.wait(st.k);
       turn_wait();
-      wgmma<true>(mma_qk, tSrQ, tSrK(_, _, _, st.k.stage), tSrS);
+      wgmma<true, T::kOpaqueQ>(mma_qk, tSrQ, tSrK(_, _, _, st.k.stage), tSrS);
       ss.v_ring.wait(st.v);
       wgmma<false>(mma_pv, tOrP, tOrV(_, _, _, st.v.stage), tOrO);
       turn_pass();

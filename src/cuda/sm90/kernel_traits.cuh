@@ -93,6 +93,9 @@ struct FwdTraits {
   static constexpr uint32_t kVBytes = kBlockN * kHeadDimV * sizeof(Element);
 
   static constexpr bool kSeparateO = forward_separate_o(kHeadDim, kHeadDimV);
+  // Q's wgmma descriptors made afresh at each use (forward.cuh, opaque_descriptors) where holding them across
+  // the key loop spilled: the configurations whose O accumulator is 192 or 256 wide. The others keep them.
+  static constexpr bool kOpaqueQ = kHeadDim >= 192 && kHeadDimV >= 192;
   static_assert(kSeparateO || kHeadDimV <= kHeadDim, "O staged in Q's buffer must fit it");
 
   // O is staged for its TMA store in a buffer of its own where it fits, else in Q's (dead by then).
