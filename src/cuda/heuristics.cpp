@@ -92,9 +92,9 @@ std::string sm90_rejection(const Problem& p, const DeviceProps& dev, const Built
 std::string sm90_slower(const Problem& p) {
   if (!p.varlen || p.batch <= 0) return {};
   const int64_t mean = p.total_q / p.batch;
-  const int64_t floor = p.headdim <= 64 ? kSm90VarlenMinMeanTokensHd64 : kSm90VarlenMinMeanTokens;
-  if (mean >= floor) return {};
-  return cat("a varlen batch of short sequences (", mean, " query tokens on average, under ", floor,
+  const int64_t min_mean = p.headdim <= 64 ? kSm90VarlenMinMeanTokensHd64 : kSm90VarlenMinMeanTokens;
+  if (mean >= min_mean) return {};
+  return cat("a varlen batch of short sequences (", mean, " query tokens on average, under ", min_mean,
              " at head dim ", p.headdim, ") runs faster on the sm80 path");
 }
 
