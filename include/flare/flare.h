@@ -160,7 +160,8 @@ typedef struct flare_exec_options {
 /* Which family of CUDA kernels runs a forward or backward call (flare_fwd_params / flare_bwd_params
  * arch_path; docs/cuda-backend.md). The CPU ignores it.
  *  AUTO  the sm90 kernels where the GPU and the call allow them (compute capability 9.0, a forward the sm90
- *        path covers, a build with them), else the sm80 ones. The environment variable
+ *        path covers, a build with them) and they are the faster (varlen batches of short sequences run on
+ *        the sm80 ones), else the sm80 ones. The environment variable
  *        FLARE_CUDA_ARCH_PATH=sm80|sm90|auto, read per call, replaces AUTO in forward calls (never a value
  *        set in the params, and never in the backward, which has one path).
  *  SM80  the sm80 (FlashAttention-2-class) kernels: run on every GPU of compute capability 8.0 or newer.
