@@ -96,7 +96,7 @@ if command -v nvcc >/dev/null 2>&1; then
        tests/cuda/test_sm80_dropout_groups.cu -o build/cuda-check/test_sm80_dropout_groups
   build/cuda-check/test_sm80_dropout_groups
 
-  stage "sm90 forward without a GPU: one unit for sm_90a and its SASS; layouts and partitions on the CPU"
+  stage "sm90 forward without a GPU: three units for sm_90a and their SASS; layouts and partitions on the CPU"
   scripts/check-sm90.sh build/sm90-check
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     stage "GPU tests (tests/gpu: pytest suite and compute-sanitizer), CUDA build for this GPU"
