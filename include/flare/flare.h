@@ -161,7 +161,9 @@ typedef struct flare_exec_options {
  * arch_path; docs/cuda-backend.md). The CPU ignores it.
  *  AUTO  the sm90 kernels where the GPU and the call allow them (compute capability 9.0, a forward the sm90
  *        path covers, a build with them) and they are the faster (varlen batches of short sequences run on
- *        the sm80 ones), else the sm80 ones. The environment variable
+ *        the sm80 ones), else the sm80 ones; a forward of few query rows (group x seqlen_q <= 64 per
+ *        sequence and kv head) runs on the KV-cache kernels, which pack the heads that share a kv head, and a
+ *        paged varlen forward always does (not under SM90). The environment variable
  *        FLARE_CUDA_ARCH_PATH=sm80|sm90|auto, read per call, replaces AUTO in forward calls (never a value
  *        set in the params, and never in the backward, which has one path).
  *  SM80  the sm80 (FlashAttention-2-class) kernels: run on every GPU of compute capability 8.0 or newer.
@@ -185,7 +187,7 @@ typedef enum flare_arch_path {
  *                cu_seqlens_q/k int32 (batch + 1), nondecreasing from 0, ending at total_q / total_k;
  *                optional seqused_k int32 (batch): only the first seqused_k[b] keys of sequence b are used;
  *                softmax_lse fp32 (nheads, total_q), optional.
- * Paged varlen (flare_fwd_varlen with block_table; the CPU backend): k (num_blocks, block_size, nheads_k,
+ * Paged varlen (flare_fwd_varlen with block_table; forward only): k (num_blocks, block_size, nheads_k,
  *                headdim), v (..., headdim_v), block_table int32 (batch, max_blocks), any block_size >= 1:
  *                key j of sequence b lives in block block_table[b][j / block_size], row j % block_size.
  *                Sequence b has seqused_k[b] keys when seqused_k is given, else cu_seqlens_k[b + 1] -

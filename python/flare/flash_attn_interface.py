@@ -143,8 +143,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k=None, max_seqlen_
     """q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim), cu_seqlens_q/k int32 (batch + 1).
     With block_table, k/v are a paged cache (num_blocks, block_size, nheads_k, headdim), any block_size >= 1,
     read in place by the library (no gather); each sequence's key count is seqused_k[b] when given, else its
-    cu_seqlens_k span (one of them is needed; vLLM passes seqused_k alone). Paged calls run on the CPU; CUDA
-    tensors raise NotImplementedError in this release. seqused_k int32 (batch): only its first seqused_k[b]
+    cu_seqlens_k span (one of them is needed; vLLM passes seqused_k alone). Paged calls are forward-only; on
+    CUDA tensors they run on the KV-cache kernels (no dropout there). seqused_k int32 (batch): only its first seqused_k[b]
     keys are used. max_seqlen_q/k: upper bounds, or None/0 to derive them.
     out=: written with the result (and returned). return_softmax_lse: return (out, softmax_lse (nheads,
     total_q)) instead of out. arch_path: as in flash_attn_func."""

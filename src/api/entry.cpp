@@ -52,16 +52,11 @@ flare_status guarded(const char* entry, Body&& body) noexcept {
 }
 
 // Validated problem to backend: the CPU entry `run`, or the CUDA one for the same pass.
-constexpr const char kNoCudaPagedVarlen[] =
-    "flare_fwd_varlen with block_table (a paged KV cache) runs on the CPU only in this release: on CUDA "
-    "tensors use flare_fwd_kvcache (block_table there), or gather the cache into varlen k/v";
-
 constexpr const char kNoCudaDsinks[] =
     "the sinks' gradient (dsinks) has no CUDA kernel in this release: form it from out, dout and softmax_lse "
     "(dsinks[h] = -sum over head h's rows of exp(sinks[h] - lse) * rowsum(dout * out); flare.ops.sink_gradient)";
 // What the CUDA backend does not take, named before anything runs; nullptr when it takes the call.
 const char* cuda_gap(const Problem& problem) {
-  if (problem.pass == Pass::kForward && problem.block_table != nullptr) return kNoCudaPagedVarlen;
   if (problem.dsinks != nullptr) return kNoCudaDsinks;
   return nullptr;
 }

@@ -38,6 +38,7 @@ constexpr bool kAllSmemConfigs = true;
 constexpr bool kAllSmemConfigs = false;
 #endif
 constexpr BuiltKernels kBuilt{kSm80Tiles.span(), kSm90Dims.span(), kAllSmemConfigs};
+constexpr HeadDimSubset kDecodeTiles(kDecodeHeadDims, decode_unit_built);
 // The passes compiled (FLARE_CUDA_PASSES): code that names a pass's kernels sits under `if constexpr` on these,
 // so a build without that pass links.
 constexpr bool kHasForward = FLARE_HAS_PASS_FWD;
@@ -238,6 +239,27 @@ void fill_attn(const Problem& p, AttnParams* a) {
   }
 }
 
+// Whether forward call p runs on the KV-cache kernels (heuristics.hpp's forward_on_decode_kernels: a paged
+// varlen call always, a call of few packed rows under AUTO). A paged call they cannot run fails here, saying why.
+flare_status route_forward(const Problem& p, bool* on_decode) {
+  *on_decode = false;
+  if (p.pass != Pass::kForward) return FLARE_OK;
+  flare_arch_path request = FLARE_ARCH_PATH_AUTO;
+  if (!requested_arch_path(p, std::getenv("FLARE_CUDA_ARCH_PATH"), &request)) return FLARE_OK;  // plan_call says
+  if (p.block_table != nullptr) {
+    if (request == FLARE_ARCH_PATH_SM90) {
+      return fail(FLARE_UNSUPPORTED, "a paged varlen forward (block_table) runs on the KV-cache kernels, which have "
+                                     "no sm90 form: leave the arch path auto (or sm80)");
+    }
+    if (const std::string why = decode_forward_rejection(p, kDecodeTiles.span()); !why.empty()) {
+      return fail(FLARE_UNSUPPORTED, cat("a paged varlen forward (block_table) runs on the KV-cache kernels, and ",
+                                         why));
+    }
+  }
+  *on_decode = forward_on_decode_kernels(p, request, kDecodeTiles.span());
+  return FLARE_OK;
+}
+
 // The sm80 backward's workspace for a planned call.
 BwdLayout bwd_layout(const Problem& p, const Plan& k) {
   const int block_n = sm80_dispatch(p.dtype, k.headdim, 1, [&]<flare_dtype D, int d>() {
@@ -250,6 +272,9 @@ BwdLayout bwd_layout(const Problem& p, const Plan& k) {
 }  // namespace
 
 flare_status forward(const Problem& p) {
+  bool on_decode = false;
+  if (flare_status s = route_forward(p, &on_decode); s != FLARE_OK) return s;
+  if (on_decode) return kvcache(decode_view(p));
   Plan k;
   if (flare_status s = plan_call(p, &k); s != FLARE_OK) return s;
   DeviceGuard guard(p.device.index);
@@ -277,10 +302,13 @@ flare_status forward(const Problem& p) {
   return FLARE_OK;
 }
 
-// Asked of the path that will run the call: the sm80 backward's fp32 buffers; the forward of either path takes
-// none.
+// Asked of the kernels that will run the call: the sm80 backward's fp32 buffers; the KV-cache kernels' split
+// buffers for a forward they run; the forward kernels of either path take none.
 flare_status workspace_size(const Problem& p, size_t* bytes) {
   *bytes = 0;
+  bool on_decode = false;
+  if (flare_status s = route_forward(p, &on_decode); s != FLARE_OK) return s;
+  if (on_decode) return kvcache_workspace_size(decode_view(p), bytes);
   Plan k;
   if (flare_status s = plan_call(p, &k); s != FLARE_OK) return s;
   if (p.pass == Pass::kBackward) *bytes = bwd_layout(p, k).total();
@@ -353,8 +381,6 @@ flare_status backward(const Problem& p) {
 
 namespace {
 
-constexpr HeadDimSubset kDecodeTiles(kDecodeHeadDims, decode_unit_built);
-
 // What the KV-cache kernels need beyond validation, and the call's decode tile. The index tensors
 // (cache_seqlens, block_table, ...) live on the device and are not read here (no host sync): in-range
 // indices are the caller's to guarantee, as in FlashAttention.
@@ -425,6 +451,8 @@ KvCacheParams kvcache_params(const Problem& p, const DecodeLayout& l, char* work
   k.block_table = p.block_table;
   k.block_table_stride = p.block_table_stride;
   k.block_size = static_cast<int>(p.block_size);
+  k.cu_seqlens_q = p.cu_seqlens_q;  // a varlen forward's (decode_view); null for a KV-cache call
+  k.cu_seqlens_k = p.cu_seqlens_k;
   k.rotary_cos = p.rotary_cos;
   k.rotary_sin = p.rotary_sin;
   k.rotary_row_stride = p.rotary_row_stride;
@@ -479,7 +507,8 @@ flare_status kvcache(const Problem& p) {
   }
   if (p.workspace != nullptr && p.workspace_size < l.total()) {
     return fail(FLARE_OUT_OF_MEMORY, cat("exec.workspace_size is ", p.workspace_size, " bytes but this call needs ",
-                                         l.total(), " bytes (see flare_kvcache_workspace_size)"));
+                                         l.total(), " bytes (see flare_kvcache_workspace_size, or for a forward "
+                                         "flare_fwd_workspace_size)"));
   }
   if (p.batch == 0 || p.nheads_k == 0) return FLARE_OK;
   const bool attend = p.seqlen_q > 0;

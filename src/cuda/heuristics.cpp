@@ -220,4 +220,36 @@ DecodeLayout decode_layout(const Problem& p, int sm_count) {
   return l;
 }
 
+std::string decode_forward_rejection(const Problem& p, std::span<const int> decode_tiles) {
+  if (p.dropout_p > 0.0f) return "the KV-cache kernels have no dropout";
+  if (decode_tile(p, decode_tiles) == 0) {
+    return cat("head dim ", std::max(p.headdim, p.headdim_v), " has no KV-cache kernel in this build (decode tiles "
+               "built: ", head_dims_string(decode_tiles), ")");
+  }
+  return {};
+}
+
+bool forward_on_decode_kernels(const Problem& p, flare_arch_path request, std::span<const int> decode_tiles) {
+  if (p.pass != Pass::kForward) return false;
+  if (p.block_table != nullptr) return true;  // paged: nothing else reads it (decode_forward_rejection refuses)
+  if (request != FLARE_ARCH_PATH_AUTO || !decode_forward_rejection(p, decode_tiles).empty()) return false;
+  return decode_rows(p) <= kPackedForwardMaxRows;
+}
+
+Problem decode_view(const Problem& p) {
+  Problem d = p;
+  d.pass = Pass::kKvCache;
+  d.seqlen_new = 0;
+  d.rotary_dim = 0;
+  d.cache_batch_idx = nullptr;
+  d.cache_leftpad = nullptr;
+  d.cache_seqlens = p.seqused_k;  // varlen: seqused_k, else the cu_seqlens_k spans (sequence_of)
+  // The key bound of decode_splits (and a dense call's key count): seqlen_k, cut to a paged table's capacity.
+  d.seqlen_cache = p.block_table != nullptr ? std::min(p.seqlen_k, p.seqlen_cache) : p.seqlen_k;
+  if (!p.varlen) {
+    d.cu_seqlens_q = d.cu_seqlens_k = nullptr;
+  }
+  return d;
+}
+
 }  // namespace flare::cuda

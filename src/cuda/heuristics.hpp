@@ -209,4 +209,30 @@ struct DecodeLayout {
 };
 DecodeLayout decode_layout(const detail::Problem& p, int sm_count);
 
+// ---- forwards that the KV-cache kernels run ------------------------------------------------------------------
+// The KV-cache kernels pack the query rows of the heads that share a kv head into one tile (each K and V byte
+// is read once for all of them) and split long key ranges across CTAs, which the forward kernels do not. A
+// forward call runs on them:
+//   - a paged varlen forward (block_table), always: the forward kernels read contiguous keys only;
+//   - under AUTO, a dense or varlen forward whose packed rows per (sequence, kv head), group x seqlen_q (varlen:
+//     the longest sequence's), are at most kPackedForwardMaxRows, where a forward kernel's 64- or 128-row query
+//     tile would be mostly empty and its grid a few CTAs per head. Measured with bench/gpu/bench_packed.py.
+// Neither with dropout (the KV-cache kernels have none) or a head dim past the widest decode tile built.
+inline constexpr int64_t kPackedForwardMaxRows = 64;
+
+// Why the KV-cache kernels cannot run forward call p, or "" when they can (dropout; no decode tile for its head
+// dims in this build).
+std::string decode_forward_rejection(const detail::Problem& p, std::span<const int> decode_tiles);
+
+// Whether forward call p runs on the KV-cache kernels (the rule above). `request`: the resolved arch path
+// request (requested_arch_path); a forced sm80 or sm90 path keeps a dense or unpaged varlen call on its forward
+// kernels, so both stay testable on every shape.
+bool forward_on_decode_kernels(const detail::Problem& p, flare_arch_path request,
+                               std::span<const int> decode_tiles);
+
+// Forward call p as a KV-cache problem for those kernels: no append, no rotary; the keys are k / v as they are
+// (dense: every sequence's seqlen_k keys; varlen: cu_seqlens_k spans, or seqused_k; paged: the block table's
+// capacity bounds them), so decode_splits and decode_layout plan it like a KV-cache call.
+detail::Problem decode_view(const detail::Problem& p);
+
 }  // namespace flare::cuda

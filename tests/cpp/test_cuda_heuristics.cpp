@@ -773,5 +773,152 @@ TEST(CudaDecode, SharedMemoryFitsEverySm80FamilyGpu) {
   }
 }
 
+// ---- forwards on the KV-cache kernels (heuristics.hpp: forward_on_decode_kernels, decode_view) ---------------
+
+// A bf16 forward of 32 query heads over 8 kv heads, seqlen_q queries against 4096 keys.
+Problem few_row_forward(int64_t seqlen_q) {
+  Problem p = forward_call();
+  p.nheads = 32;
+  p.nheads_k = 8;
+  p.seqlen_q = seqlen_q;
+  p.seqlen_k = 4096;
+  p.total_q = p.batch * seqlen_q;
+  p.total_k = p.batch * 4096;
+  return p;
+}
+
+TEST(CudaPackedForward, FewRowsTakeTheDecodeKernelsUnderAuto) {
+  const int64_t group = 4;
+  for (int64_t sq = 1; sq <= 40; ++sq) {
+    const Problem p = few_row_forward(sq);
+    EXPECT_EQ(forward_on_decode_kernels(p, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims),
+              group * sq <= kPackedForwardMaxRows) << "seqlen_q " << sq;
+    EXPECT_FALSE(forward_on_decode_kernels(p, FLARE_ARCH_PATH_SM80, kDecodeHeadDims)) << "forced paths stay";
+    EXPECT_FALSE(forward_on_decode_kernels(p, FLARE_ARCH_PATH_SM90, kDecodeHeadDims)) << "forced paths stay";
+  }
+  Problem mha = few_row_forward(kPackedForwardMaxRows);
+  mha.nheads_k = mha.nheads;  // group 1: the rows are seqlen_q
+  EXPECT_TRUE(forward_on_decode_kernels(mha, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims));
+  mha.seqlen_q += 1;
+  EXPECT_FALSE(forward_on_decode_kernels(mha, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims));
+
+  Problem p = few_row_forward(1);
+  ASSERT_TRUE(forward_on_decode_kernels(p, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims));
+  p.varlen = true;  // a varlen batch of short sequences packs the same way (seqlen_q: the longest)
+  p.cu_seqlens_q = p.cu_seqlens_k = kUsed;
+  EXPECT_TRUE(forward_on_decode_kernels(p, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims));
+  p.dropout_p = 0.1f;
+  EXPECT_FALSE(forward_on_decode_kernels(p, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims));
+  EXPECT_TRUE(contains(decode_forward_rejection(p, kDecodeHeadDims), "dropout"));
+  p.dropout_p = 0.f;
+  p.headdim = p.headdim_v = 512;  // wider than every decode tile
+  EXPECT_FALSE(forward_on_decode_kernels(p, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims));
+  EXPECT_TRUE(contains(decode_forward_rejection(p, kDecodeHeadDims), "no KV-cache kernel"));
+  constexpr int only64[] = {64};
+  p.headdim = p.headdim_v = 128;
+  EXPECT_FALSE(forward_on_decode_kernels(p, FLARE_ARCH_PATH_AUTO, only64)) << "a build without the tile";
+  EXPECT_TRUE(decode_forward_rejection(p, kDecodeHeadDims).empty());
+
+  // A paged varlen forward has no other kernels: it takes these whatever the request (backend.cu refuses a
+  // forced sm90 and what decode_forward_rejection names before asking).
+  const int32_t table[4] = {0, 1, 2, 3};
+  Problem paged = few_row_forward(500);
+  paged.varlen = true;
+  paged.cu_seqlens_q = kUsed;
+  paged.block_table = table;
+  for (flare_arch_path r : {FLARE_ARCH_PATH_AUTO, FLARE_ARCH_PATH_SM80, FLARE_ARCH_PATH_SM90}) {
+    EXPECT_TRUE(forward_on_decode_kernels(paged, r, kDecodeHeadDims));
+  }
+  for (Pass other : {Pass::kBackward, Pass::kKvCache}) {
+    Problem q = few_row_forward(1);
+    q.pass = other;
+    EXPECT_FALSE(forward_on_decode_kernels(q, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims));
+  }
+}
+
+TEST(CudaPackedForward, DecodeViewKeepsTheCallsKeys) {
+  // Dense: every sequence's seqlen_k keys, no varlen index, no append or rotary.
+  Problem p = few_row_forward(3);
+  p.rotary_dim = 64;  // never set on a forward; the view clears it anyway
+  const Problem d = decode_view(p);
+  EXPECT_EQ(d.pass, Pass::kKvCache);
+  EXPECT_EQ(d.seqlen_cache, 4096);
+  EXPECT_EQ(d.seqlen_new, 0);
+  EXPECT_EQ(d.rotary_dim, 0);
+  EXPECT_EQ(d.cache_seqlens, nullptr);
+  EXPECT_EQ(d.cu_seqlens_q, nullptr);
+  EXPECT_EQ(decode_rows(d), 12);
+  EXPECT_EQ(decode_layout(d, 132).splits, decode_splits(kvcache_call(2, 4096, 3), 132))
+      << "planned as the KV-cache call of the same shape";
+
+  // Varlen: the index tensors travel; seqused_k becomes the key counts.
+  Problem v = few_row_forward(3);
+  v.varlen = true;
+  v.cu_seqlens_q = v.cu_seqlens_k = kUsed;
+  EXPECT_EQ(decode_view(v).cu_seqlens_q, kUsed);
+  EXPECT_EQ(decode_view(v).cu_seqlens_k, kUsed);
+  EXPECT_EQ(decode_view(v).cache_seqlens, nullptr);
+  v.seqused_k = kUsed + 1;
+  EXPECT_EQ(decode_view(v).cache_seqlens, kUsed + 1);
+
+  // Paged: the key bound is seqlen_k cut to the table's capacity.
+  const int32_t table[2] = {0, 1};
+  v.block_table = table;
+  v.seqlen_cache = 1000;
+  EXPECT_EQ(decode_view(v).seqlen_cache, 1000);
+  v.seqlen_k = 700;
+  EXPECT_EQ(decode_view(v).seqlen_cache, 700);
+}
+
+TEST(CudaPackedForward, SequenceOfReadsEveryLayout) {
+  KvCacheParams p;
+  p.seqlen_q = 5;
+  p.seqlen_cache = 90;
+  p.k.batch_stride = 1000;
+  p.v.batch_stride = 3000;
+  p.k.row_stride = 10;
+  p.v.row_stride = 30;
+  // Dense cache: the call's seqlen_q; cache_len from cache_seqlens, else the capacity; row = cache_batch_idx.
+  decode::Sequence s = decode::sequence_of(p, 2);
+  EXPECT_EQ(s.q_start, 0);
+  EXPECT_EQ(s.seqlen_q, 5);
+  EXPECT_EQ(s.len_k, 90);
+  EXPECT_EQ(s.k_offset, 2000);
+  EXPECT_EQ(s.v_offset, 6000);
+  const int32_t lens[3] = {7, 8, 9}, rows[3] = {2, 0, 1}, pads[3] = {1, 2, 3};
+  p.cache_seqlens = lens;
+  p.cache_batch_idx = rows;
+  p.cache_leftpad = pads;
+  p.seqlen_new = 4;
+  s = decode::sequence_of(p, 2);
+  EXPECT_EQ(s.len_k, 9 + 4 - 3);
+  EXPECT_EQ(s.leftpad, 3);
+  EXPECT_EQ(s.k_offset, 1000);
+  // Varlen forward: queries and keys from the cumulative lengths; seqused_k (as cache_seqlens) cuts the keys.
+  KvCacheParams v;
+  v.k.row_stride = 10;
+  v.v.row_stride = 30;
+  v.seqlen_q = 6;
+  const int32_t cu_q[4] = {0, 6, 6, 9}, cu_k[4] = {0, 40, 41, 100};
+  v.cu_seqlens_q = cu_q;
+  v.cu_seqlens_k = cu_k;
+  for (int b = 0; b < 3; ++b) {
+    s = decode::sequence_of(v, b);
+    EXPECT_EQ(s.q_start, cu_q[b]);
+    EXPECT_EQ(s.seqlen_q, cu_q[b + 1] - cu_q[b]);
+    EXPECT_EQ(s.len_k, cu_k[b + 1] - cu_k[b]);
+    EXPECT_EQ(s.k_offset, int64_t{cu_k[b]} * 10);
+    EXPECT_EQ(s.v_offset, int64_t{cu_k[b]} * 30);
+  }
+  v.cache_seqlens = lens;
+  EXPECT_EQ(decode::sequence_of(v, 1).len_k, 8);
+  EXPECT_EQ(decode::sequence_of(v, 1).k_offset, 400) << "seqused_k cuts the count, not the start";
+  // Paged: keys from slot 0 of the sequence's table row; no offset.
+  const int32_t table[2] = {0, 1};
+  v.block_table = table;
+  EXPECT_EQ(decode::sequence_of(v, 2).k_offset, 0);
+  EXPECT_EQ(decode::sequence_of(v, 2).len_k, 9);
+}
+
 }  // namespace
 }  // namespace flare::cuda

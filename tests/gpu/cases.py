@@ -43,8 +43,8 @@ def expect_sm90_refusal(run, context=""):
     raise AssertionError(f"the sm90 path was forced and does not claim this call, yet it ran {context}")
 
 # What the sm90 forward claims (src/cuda/heuristics.cpp's rule, stated here independently): fp16/bf16, dense or
-# varlen (with or without seqused_k), equal head dims of these sizes or head dims 192 / 128 (SM90_HEADDIM_PAIRS).
-# Everything else must be refused when sm90 is forced.
+# varlen (with or without seqused_k) but not paged, equal head dims of these sizes or head dims 192 / 128
+# (SM90_HEADDIM_PAIRS). Everything else must be refused when sm90 is forced.
 SM90_HEADDIMS = (64, 96, 128, 192, 256)
 SM90_HEADDIM_PAIRS = ((192, 128),)
 
@@ -88,6 +88,9 @@ class Case:
     seqlens_k: Optional[list] = None
     seqused_k: Optional[list] = None
     sinks: bool = False  # learnable sinks (s_aux), one fp32 logit per query head, with their gradient
+    # varlen only: the keys read from a paged cache of pages of this many slots (block_table; forward only), as
+    # vLLM calls it: seqused_k alone when the case has seqused_k, else cu_seqlens_k alone
+    page: Optional[int] = None
 
     @property
     def dv(self):
@@ -103,6 +106,8 @@ class Case:
             parts.append(f"varlen q{self.seqlens_q} k{self.seqlens_k}")
             if self.seqused_k is not None:
                 parts.append(f"seqused_k{self.seqused_k}")
+            if self.page is not None:
+                parts.append(f"paged{self.page}")
         else:
             parts.append(f"b{self.batch} sq{self.seqlen_q} sk{self.seqlen_k}")
         parts.append(f"h{self.nheads}/{self.nheads_k} d{self.headdim}" +
@@ -196,7 +201,34 @@ def make_inputs(case, device=None):
                     inputs["k"][k0 + used:k0 + n] = float("nan")
                     inputs["v"][k0 + used:k0 + n] = float("nan")
                     k0 += n
+        if c.page is not None:
+            inputs.update(paged_cache(c, inputs["k"].detach(), inputs["v"].detach(), device))
     return inputs
+
+
+def paged_cache(case, k, v, device):
+    """k / v (total_k, nheads_k, d) of a varlen case as a paged cache: each sequence's keys in pages of case.page
+    slots, the pages in a random order among a few spare ones; every slot no key fills is NaN (a serving cache's
+    unwritten memory, which no row may read), and so is every table entry past a sequence's pages' (never
+    read: a random page). Returns k_cache, v_cache (num_blocks, page, nheads_k, d) and block_table int32."""
+    page, lengths = case.page, case.seqlens_k
+    pages = [(n + page - 1) // page for n in lengths]
+    num_blocks = sum(pages) + 3
+    order = torch.randperm(num_blocks)
+    k_cache = torch.full((num_blocks, page, *k.shape[1:]), float("nan"), dtype=k.dtype, device=device)
+    v_cache = torch.full((num_blocks, page, *v.shape[1:]), float("nan"), dtype=v.dtype, device=device)
+    table = torch.randint(0, num_blocks, (len(lengths), max(max(pages), 1)), dtype=torch.int32)
+    k0, used = 0, 0
+    for b, n in enumerate(lengths):
+        for j in range(pages[b]):
+            block = int(order[used])
+            used += 1
+            table[b, j] = block
+            rows = min(page, n - j * page)
+            k_cache[block, :rows] = k[k0 + j * page:k0 + j * page + rows]
+            v_cache[block, :rows] = v[k0 + j * page:k0 + j * page + rows]
+        k0 += n
+    return {"k_cache": k_cache, "v_cache": v_cache, "block_table": table.to(device)}
 
 
 def run_flare(case, inputs, backward=True):
@@ -207,7 +239,15 @@ def run_flare(case, inputs, backward=True):
     for t in (q, k, v) + ((sinks,) if sinks is not None else ()):
         t.grad = None
     kwargs = interface_kwargs(case, inputs["slopes"], sinks)
-    if case.varlen:
+    if case.page is not None:  # forward only
+        assert not backward, "a paged varlen forward has no backward"
+        used = inputs["seqused_k"]
+        out, lse = flare.flash_attn_varlen_func(
+            q.detach(), inputs["k_cache"], inputs["v_cache"], inputs["cu_seqlens_q"],
+            None if used is not None else inputs["cu_seqlens_k"], max(max(case.seqlens_q), 1),
+            max(max(case.seqlens_k), 1), seqused_k=used, block_table=inputs["block_table"],
+            return_softmax_lse=True, **kwargs)
+    elif case.varlen:
         out, lse = flare.flash_attn_varlen_func(
             q, k, v, inputs["cu_seqlens_q"], inputs["cu_seqlens_k"], max(max(case.seqlens_q), 1),
             max(max(case.seqlens_k), 1), seqused_k=inputs["seqused_k"], return_softmax_lse=True, **kwargs)
@@ -236,7 +276,7 @@ def sm90_claims(case):
     headdim_v = case.headdim if case.headdim_v is None else case.headdim_v
     dims_taken = ((case.headdim == headdim_v and case.headdim in SM90_HEADDIMS)
                   or (case.headdim, headdim_v) in SM90_HEADDIM_PAIRS)
-    return case.dtype in (torch.float16, torch.bfloat16) and dims_taken
+    return case.dtype in (torch.float16, torch.bfloat16) and dims_taken and case.page is None
 
 
 def check_case(case, backward=True, device=None):

@@ -9,7 +9,8 @@ Shapes: causal, GQA/MQA, windows + softcap + ALiBi, varlen with an empty sequenc
 64/128/256 (and 40, not a tile size), fp16 and bf16, the deterministic backward, and the small-shared-memory
 kernels of sm_86 / sm_89 (forced with FLARE_CUDA_SMEM_LIMIT; on sm_90 they need a FLARE_CUDA_ALL_CONFIGS build). Lengths are odd so that
 every partial tile is touched. The KV-cache pass ("kv-" cases, test_cuda_kvcache.py's check): paged caches of
-odd page sizes with appends across pages, rotary, splits, leftpad, empty and full sequences. torch's caching allocator is switched off (PYTORCH_NO_CUDA_MEMORY_CACHING=1,
+odd page sizes with appends across pages, rotary, splits, leftpad, empty and full sequences; few-row forwards
+and paged varlen forwards, which run on the KV-cache kernels. torch's caching allocator is switched off (PYTORCH_NO_CUDA_MEMORY_CACHING=1,
 set here before torch starts) so that each tensor is its own allocation and memcheck sees an overrun past
 it rather than into a neighbour in the same pooled block.
 
@@ -79,6 +80,15 @@ def main():
         # Past backward_short's seqlen_q (512) head dim 64's backward computes dQ in column slices (configs.cuh).
         "hd64-fp16-long-sliced-dq": Case(dtype=fp16, batch=1, seqlen_q=1100, seqlen_k=1037, nheads=2, nheads_k=1,
                                          headdim=64, causal=True),
+        # Few query rows: on auto the KV-cache kernels run them (packed GQA rows, split keys); a paged varlen
+        # forward always runs there (forward only), every unwritten page slot NaN.
+        "few-rows-gqa-hd128-bf16-causal-sinks": Case(dtype=bf16, batch=3, seqlen_q=3, seqlen_k=517, nheads=8,
+                                                     nheads_k=2, headdim=128, causal=True, sinks=True),
+        "paged3-varlen-seqused-hd64-fp16": Case(dtype=fp16, seqlens_q=[1, 5, 0, 9], seqlens_k=[40, 300, 7, 64],
+                                                seqused_k=[10, 300, 7, 0], nheads=8, nheads_k=2, headdim=64,
+                                                causal=True, page=3),
+        "paged16-varlen-hd256-bf16-alibi": Case(dtype=bf16, seqlens_q=[17, 1, 64], seqlens_k=[40, 900, 64],
+                                                nheads=4, nheads_k=1, headdim=256, alibi="batch", page=16),
         # The small-shared-memory kernels (sm_86 / sm_89), forced by FLARE_CUDA_SMEM_LIMIT (see SMALL_SMEM).
         "small-causal-hd128-bf16": Case(dtype=bf16, batch=2, seqlen_q=257, seqlen_k=190, nheads=4, nheads_k=2,
                                         headdim=128, causal=True),
@@ -129,7 +139,7 @@ def main():
             if isinstance(case, KvCase):
                 check_kv_case(case)
             else:
-                check_case(case)
+                check_case(case, backward=case.page is None)  # a paged varlen forward has no backward
             if args.device == "cuda":
                 torch.cuda.synchronize()
             status = "ok"

@@ -177,6 +177,67 @@ def test_varlen(dtype, lengths, feature, headdim):
                     headdim=headdim, **VARLEN_FEATURES[feature]))
 
 
+# ---- few query rows: under auto the KV-cache kernels run them, packing the query heads of a kv head ------------
+# (src/cuda/heuristics.hpp: forward_on_decode_kernels, group x seqlen_q <= kPackedForwardMaxRows); forced paths
+# run their own forward kernels on the same cases.
+
+if SMALL:
+    FEW_ROWS = [(1, 1), (1, 37), (3, 29), (7, 5), (2, 16)]
+    FEW_ROW_HEADDIMS = [16, 64]
+else:
+    FEW_ROWS = [(1, 1), (1, 1000), (3, 517), (16, 2048), (7, 5), (2, 64), (8, 4099)]
+    FEW_ROW_HEADDIMS = [64, 128, 256, 40, 192]
+FEW_ROW_HEADS = [(32, 8), (8, 1), (4, 4), (6, 2)]
+FEW_ROW_FEATURES = {
+    "plain": {},
+    "causal": dict(causal=True),
+    "window": dict(window=(20, 3)),
+    "softcap-alibi-causal": dict(causal=True, softcap=15.0, alibi="batch"),
+    "sinks": dict(sinks=True, causal=True),
+}
+
+
+@pytest.mark.parametrize("feature", list(FEW_ROW_FEATURES))
+@pytest.mark.parametrize("seqlens", FEW_ROWS, ids=_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_few_rows(dtype, seqlens, feature):
+    sq, sk = seqlens
+    i = FEW_ROWS.index(seqlens) + list(FEW_ROW_FEATURES).index(feature)
+    nheads, nheads_k = FEW_ROW_HEADS[i % len(FEW_ROW_HEADS)]
+    check_case(Case(dtype=dtype, batch=3, seqlen_q=sq, seqlen_k=sk, nheads=nheads, nheads_k=nheads_k,
+                    headdim=FEW_ROW_HEADDIMS[i % len(FEW_ROW_HEADDIMS)], **FEW_ROW_FEATURES[feature]))
+
+
+# ---- paged varlen forward (block_table): the KV-cache kernels read the pages in place ------------------------
+# Pages in a random order, every unwritten slot NaN (cases.paged_cache); with seqused_k the call passes it alone
+# (vLLM's form), else cu_seqlens_k alone.
+
+if SMALL:
+    PAGED = {"decode": ([1, 1, 2, 1], [9, 30, 7, 0], None), "seqused": ([3, 5, 0], [20, 9, 4], [11, 9, 0])}
+    PAGES = [1, 3, 16]
+else:
+    PAGED = {
+        "decode": ([1, 1, 1, 2, 1], [33, 1024, 7, 500, 0], None),
+        "chunked": ([64, 1, 300, 0, 17], [64, 900, 300, 5, 40], None),
+        "seqused": ([1, 5, 9, 2], [40, 300, 64, 5], [10, 300, 0, 5]),
+    }
+    PAGES = [1, 3, 16, 256]
+PAGED_FEATURES = {"plain": {}, "causal": dict(causal=True), "everything": dict(causal=True, window=(50, -1),
+                                                                            softcap=20.0, alibi="batch", sinks=True)}
+
+
+@pytest.mark.parametrize("feature", list(PAGED_FEATURES))
+@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("lengths", list(PAGED))
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_paged_varlen(dtype, lengths, page, feature):
+    sq, sk, used = PAGED[lengths]
+    i = list(PAGED).index(lengths) + PAGES.index(page)
+    nheads, nheads_k = heads_cycle(i)
+    check_case(Case(dtype=dtype, seqlens_q=sq, seqlens_k=sk, seqused_k=used, nheads=nheads, nheads_k=nheads_k,
+                    headdim=[64, 128, 256, 40][i % 4], page=page, **PAGED_FEATURES[feature]), backward=False)
+
+
 # ---- one large case ------------------------------------------------------------------------------------------
 
 

@@ -70,27 +70,23 @@ __global__ void __launch_bounds__(threads_for(kHeadDim), 1) attention_kernel(con
   const int hk = x % p.nheads_k;
   const int r0 = x / p.nheads_k * kRows;
   const int b = blockIdx.y;
-  const int rows_here = min(kRows, p.rows - r0);
+  const Sequence seq = sequence_of(p, b);
+  const int seqlen_q = seq.seqlen_q;
+  const int rows_here = min(kRows, p.group * seqlen_q - r0);  // varlen: this sequence's rows, p.rows at most
   if (rows_here <= 0) return;
 
   // ---- the sequence: its keys, the part of them this split walks
-  const int cache_len = p.cache_seqlens != nullptr ? p.cache_seqlens[b] : p.seqlen_cache;
-  const int leftpad = p.cache_leftpad != nullptr ? p.cache_leftpad[b] : 0;
-  const int len_k = cache_len + p.seqlen_new - leftpad;
-  const policy::WindowMask mask{p.seqlen_q, len_k, p.window_left, p.window_right};
+  const int leftpad = seq.leftpad;
+  const policy::WindowMask mask{seqlen_q, seq.len_k, p.window_left, p.window_right};
   const KeySpan mine =
-      split_keys(keys_seen(mask, queries_of_rows(r0, r0 + rows_here, p.seqlen_q)), p.num_splits, split, kTileKeys);
+      split_keys(keys_seen(mask, queries_of_rows(r0, r0 + rows_here, seqlen_q)), p.num_splits, split, kTileKeys);
   const int my_tiles = tiles_of_warp(mine, warp, kWarps);  // tiles warp, warp + kWarps, ...
 
-  // Where the keys live: K and V at the kv head (the cache row of a dense cache, block 0 of a paged one).
-  const Storage* k_base = static_cast<const Storage*>(p.k.data) + hk * p.k.head_stride;
-  const Storage* v_base = static_cast<const Storage*>(p.v.data) + hk * p.v.head_stride;
+  // Where the keys live: K and V at the kv head (the sequence's rows of a dense cache or varlen k / v, block 0
+  // of a paged one).
+  const Storage* k_base = static_cast<const Storage*>(p.k.data) + hk * p.k.head_stride + seq.k_offset;
+  const Storage* v_base = static_cast<const Storage*>(p.v.data) + hk * p.v.head_stride + seq.v_offset;
   const int32_t* table = p.block_table != nullptr ? p.block_table + b * p.block_table_stride : nullptr;
-  if (table == nullptr) {
-    const int64_t row = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
-    k_base += row * p.k.batch_stride;
-    v_base += row * p.v.batch_stride;
-  }
 
   // ---- shared memory: q, then per warp kStages (K, V) tile pairs, then the warps' row maxima and sums
   extern __shared__ __align__(1024) char smem[];
@@ -156,9 +152,10 @@ __global__ void __launch_bounds__(threads_for(kHeadDim), 1) attention_kernel(con
     uint4 v = make_uint4(0, 0, 0, 0);
     if (r < rows_here && c < p.headdim) {
       const int rr = r0 + r;
-      const int h = hk * p.group + rr / p.seqlen_q;
+      const int h = hk * p.group + rr / seqlen_q;
       v = *reinterpret_cast<const uint4*>(static_cast<const Storage*>(p.q.data) + b * p.q.batch_stride +
-                                          (rr % p.seqlen_q) * p.q.row_stride + h * p.q.head_stride + c);
+                                          int64_t{seq.q_start + rr % seqlen_q} * p.q.row_stride +
+                                          h * p.q.head_stride + c);
     }
     *reinterpret_cast<uint4*>(&sQ(r, c)) = v;
   }
@@ -198,8 +195,8 @@ __global__ void __launch_bounds__(threads_for(kHeadDim), 1) attention_kernel(con
   for (int m = 0; m < kMyRows; ++m) {
     const int r = coords.row_base + get<0>(coord_rc(m, 0));
     const int rr = r0 + r;
-    const int i = rr % p.seqlen_q;
-    const int h = hk * p.group + rr / p.seqlen_q;
+    const int i = rr % seqlen_q;
+    const int h = hk * p.group + rr / seqlen_q;
     row_max[m] = -INFINITY;
     row_sum[m] = 0.f;
     const policy::KeyRange seen = mask.keys_of(i);
@@ -310,12 +307,13 @@ __global__ void __launch_bounds__(threads_for(kHeadDim), 1) attention_kernel(con
     }
     const float lse = l > 0.f ? (mx + __log2f(l)) * kLn2 : -INFINITY;
     const int rr = r0 + r;
-    const int i = rr % p.seqlen_q;
-    const int h = hk * p.group + rr / p.seqlen_q;
+    const int i = seq.q_start + rr % seqlen_q;  // the query's token (dense: its position)
+    const int h = hk * p.group + rr / seqlen_q;
     if (p.num_splits == 1) {
       const policy::SinkFold<float> fold = policy::fold_sink(lse, p.sinks != nullptr ? p.sinks[h] : -INFINITY);
       const float inv = l > 0.f ? fold.factor / l : 0.f;
-      *reinterpret_cast<uint2*>(out + b * p.out.batch_stride + i * p.out.row_stride + h * p.out.head_stride + c) =
+      *reinterpret_cast<uint2*>(out + b * p.out.batch_stride + int64_t{i} * p.out.row_stride +
+                                h * p.out.head_stride + c) =
           make_uint2(from_float2<Storage>(o[0] * inv, o[1] * inv), from_float2<Storage>(o[2] * inv, o[3] * inv));
       if (c == 0 && p.lse != nullptr) p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + i] = fold.lse;
     } else {

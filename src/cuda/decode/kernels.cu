@@ -93,8 +93,10 @@ __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const __gri
   const int r = static_cast<int>(row % p.rows);
   const int hk = static_cast<int>(row / p.rows % p.nheads_k);
   const int b = static_cast<int>(row / p.rows / p.nheads_k);
-  const int i = r % p.seqlen_q;
-  const int h = hk * p.group + r / p.seqlen_q;
+  const Sequence seq = sequence_of(p, b);
+  if (r >= p.group * seq.seqlen_q) return;  // varlen: a row past this sequence's (its splits wrote nothing)
+  const int i = seq.q_start + r % seq.seqlen_q;  // the query's token (dense: its position)
+  const int h = hk * p.group + r / seq.seqlen_q;
   const int S = p.num_splits;
   const float* lse_s = p.part_lse + row * S;
   float m = -INFINITY;
@@ -110,7 +112,8 @@ __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const __gri
   const float lse = m != -INFINITY ? m + logf(w_sum) : -INFINITY;
   const policy::SinkFold<float> fold = policy::fold_sink(lse, p.sinks != nullptr ? p.sinks[h] : -INFINITY);
   const float factor = m != -INFINITY ? fold.factor / w_sum : 0.f;
-  E* out = static_cast<E*>(p.out.data) + b * p.out.batch_stride + i * p.out.row_stride + h * p.out.head_stride;
+  E* out = static_cast<E*>(p.out.data) + b * p.out.batch_stride + int64_t{i} * p.out.row_stride +
+           h * p.out.head_stride;
   for (int c = lane * 4; c < p.headdim_v; c += 32 * 4) {
     float o[4] = {0.f, 0.f, 0.f, 0.f};
     for (int s = 0; s < S; ++s) {

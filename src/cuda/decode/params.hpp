@@ -13,7 +13,8 @@ using detail::Operand;
 
 struct KvCacheParams {
   // q (batch, seqlen_q, nheads, headdim): the call's, or its rotated copy in the workspace (then q_source is
-  // the call's and the rotary kernel writes q).
+  // the call's and the rotary kernel writes q). A varlen forward (cu_seqlens_q below) passes its packed
+  // (total_q, nheads, headdim) q and out with batch_stride 0.
   Operand q;
   Operand q_source;
   // The cache. Dense: batch_stride steps cache rows (cache_batch_idx picks one per sequence). Paged:
@@ -31,7 +32,7 @@ struct KvCacheParams {
   int group = 1;       // nheads / nheads_k: the query heads that share a kv head
   int headdim = 0;     // of q and k (the kernel's tile may be wider: extra columns are zero)
   int headdim_v = 0;   // of v and out
-  int seqlen_q = 0;
+  int seqlen_q = 0;    // varlen: the longest sequence's (an upper bound)
   int rows = 0;        // group * seqlen_q: the query rows of one (sequence, kv head), packed into one tile
   int row_chunks = 1;  // CTAs along those rows: ceil(rows / kDecodeRows)
   int seqlen_cache = 0;  // capacity of a sequence (dense: k.shape[1]; paged: max_blocks * block_size)
@@ -47,6 +48,14 @@ struct KvCacheParams {
   const int32_t* block_table = nullptr;
   int64_t block_table_stride = 0;
   int block_size = 0;  // paged only
+
+  // A varlen forward run by these kernels (flare_fwd_varlen, paged or not; src/cuda/heuristics.hpp's
+  // decode_view). cu_seqlens_q: sequence b's queries are tokens [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q,
+  // out and the lse (lse_batch_stride 0), its seqlen_q their count. cu_seqlens_k: where cache_seqlens is
+  // absent, sequence b's key count is its span; without a block table its keys start at token
+  // cu_seqlens_k[b] of k and v (batch_stride 0). Null: a dense call.
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
 
   // Rotary (flare.h): cos/sin rows of rotary_dim / 2 entries in q's dtype; rotary_dim 0 = none.
   const void* rotary_cos = nullptr;

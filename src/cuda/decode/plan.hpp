@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "common/attention_policy.hpp"
+#include "cuda/decode/params.hpp"
 
 namespace flare::cuda::decode {
 
@@ -40,6 +41,42 @@ constexpr int kv_smem_bytes(int head_dim_tile, int element_bytes) {
 constexpr int smem_bytes(int head_dim_tile, int element_bytes) {
   return q_smem_bytes(head_dim_tile, element_bytes) + kv_smem_bytes(head_dim_tile, element_bytes) +
          2 * warps_for(head_dim_tile) * kRows * 4;
+}
+
+// ---- one sequence of a call --------------------------------------------------------------------------------
+// Sequence b as the kernels read it (KvCacheParams says where each field comes from): its queries, the first at
+// token q_start of q, out and the lse; their count; its key count from leftpad on (len_k), the first at slot
+// leftpad; and, without a block table, the element offset of its key rows in k and v (dense: its cache row;
+// varlen: its first token).
+struct Sequence {
+  int q_start;
+  int seqlen_q;
+  int leftpad;
+  int len_k;
+  int64_t k_offset, v_offset;
+};
+FLARE_HD Sequence sequence_of(KvCacheParams const& p, int b) {
+  Sequence s{0, p.seqlen_q, 0, 0, 0, 0};
+  if (p.cu_seqlens_q != nullptr) {
+    s.q_start = p.cu_seqlens_q[b];
+    s.seqlen_q = p.cu_seqlens_q[b + 1] - s.q_start;
+  }
+  const int cache_len = p.cache_seqlens != nullptr ? p.cache_seqlens[b]
+                        : p.cu_seqlens_k != nullptr ? p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b]
+                                                    : p.seqlen_cache;
+  s.leftpad = p.cache_leftpad != nullptr ? p.cache_leftpad[b] : 0;
+  s.len_k = cache_len + p.seqlen_new - s.leftpad;
+  if (p.block_table == nullptr) {
+    if (p.cu_seqlens_k != nullptr) {
+      s.k_offset = int64_t{p.cu_seqlens_k[b]} * p.k.row_stride;
+      s.v_offset = int64_t{p.cu_seqlens_k[b]} * p.v.row_stride;
+    } else {
+      const int64_t row = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
+      s.k_offset = row * p.k.batch_stride;
+      s.v_offset = row * p.v.batch_stride;
+    }
+  }
+  return s;
 }
 
 // ---- which queries and keys a CTA covers -------------------------------------------------------------------
