@@ -2,8 +2,8 @@
 """GPU benchmark of forwards with few query rows (decode steps, speculative and chunked ones, short prompts
 against a long context): the path AUTO picks against each kernel family on the same call, in one process.
 
-  flare          flash_attn_func on auto: the KV-cache kernels where the packed rows of a (sequence, kv head),
-                 group x seqlen_q, are at most kPackedForwardMaxRows (src/cuda/heuristics.hpp), else sm90 / sm80
+  flare          flash_attn_func on auto: the KV-cache kernels where forward_on_decode_kernels
+                 (src/cuda/heuristics.hpp) says they are the faster for the call's few rows, else sm90 / sm80
   flare-sm90     the sm90 forward kernel, forced (128-row query tiles, one head each)
   flare-sm80     the sm80 forward kernel, forced
   flare-decode   the KV-cache kernels on every shape (flash_attn_with_kvcache on the same k / v as a dense cache,

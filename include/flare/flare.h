@@ -161,9 +161,10 @@ typedef struct flare_exec_options {
  * arch_path; docs/cuda-backend.md). The CPU ignores it.
  *  AUTO  the sm90 kernels where the GPU and the call allow them (compute capability 9.0, a forward the sm90
  *        path covers, a build with them) and they are the faster (varlen batches of short sequences run on
- *        the sm80 ones), else the sm80 ones; a forward of few query rows (group x seqlen_q <= 64 per
- *        sequence and kv head) runs on the KV-cache kernels, which pack the heads that share a kv head, and a
- *        paged varlen forward always does (not under SM90). The environment variable
+ *        the sm80 ones), else the sm80 ones; a forward of few query rows (decode and speculative steps,
+ *        short chunks; the rule is src/cuda/heuristics.hpp's) runs on the KV-cache kernels, which pack the
+ *        query heads that share a kv head, and a paged varlen forward always does (not under SM90). The
+ *        environment variable
  *        FLARE_CUDA_ARCH_PATH=sm80|sm90|auto, read per call, replaces AUTO in forward calls (never a value
  *        set in the params, and never in the backward, which has one path).
  *  SM80  the sm80 (FlashAttention-2-class) kernels: run on every GPU of compute capability 8.0 or newer.

@@ -240,7 +240,8 @@ void fill_attn(const Problem& p, AttnParams* a) {
 }
 
 // Whether forward call p runs on the KV-cache kernels (heuristics.hpp's forward_on_decode_kernels: a paged
-// varlen call always, a call of few packed rows under AUTO). A paged call they cannot run fails here, saying why.
+// varlen call always, a call of few query rows under AUTO, which needs the device's SM count). A paged call they
+// cannot run fails here, saying why.
 flare_status route_forward(const Problem& p, bool* on_decode) {
   *on_decode = false;
   if (p.pass != Pass::kForward) return FLARE_OK;
@@ -255,8 +256,13 @@ flare_status route_forward(const Problem& p, bool* on_decode) {
       return fail(FLARE_UNSUPPORTED, cat("a paged varlen forward (block_table) runs on the KV-cache kernels, and ",
                                          why));
     }
+    *on_decode = true;
+    return FLARE_OK;
   }
-  *on_decode = forward_on_decode_kernels(p, request, kDecodeTiles.span());
+  if (request != FLARE_ARCH_PATH_AUTO) return FLARE_OK;
+  DeviceProps dev;
+  if (flare_status s = query_device(p.device.index, &dev); s != FLARE_OK) return s;
+  *on_decode = forward_on_decode_kernels(p, request, kDecodeTiles.span(), dev.sm_count);
   return FLARE_OK;
 }
 

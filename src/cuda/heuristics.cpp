@@ -229,11 +229,20 @@ std::string decode_forward_rejection(const Problem& p, std::span<const int> deco
   return {};
 }
 
-bool forward_on_decode_kernels(const Problem& p, flare_arch_path request, std::span<const int> decode_tiles) {
+bool forward_on_decode_kernels(const Problem& p, flare_arch_path request, std::span<const int> decode_tiles,
+                               int sm_count) {
   if (p.pass != Pass::kForward) return false;
   if (p.block_table != nullptr) return true;  // paged: nothing else reads it (decode_forward_rejection refuses)
   if (request != FLARE_ARCH_PATH_AUTO || !decode_forward_rejection(p, decode_tiles).empty()) return false;
-  return decode_rows(p) <= kPackedForwardMaxRows;
+  if (p.batch <= 0 || p.nheads <= 0 || p.seqlen_q <= 0) return false;  // nothing runs either way
+  const int64_t chunks = decode_row_chunks(p);
+  if (chunks == 1) return true;
+  const int64_t group = p.nheads / std::max<int64_t>(1, p.nheads_k);
+  const int64_t q_tiles = (p.seqlen_q + 127) / 128;
+  const double forward_ctas = static_cast<double>(p.batch) * static_cast<double>(p.nheads * q_tiles);
+  const double short_by = std::max(1.0, static_cast<double>(std::max(sm_count, 1)) / forward_ctas);
+  const int64_t cost = decode_tile(p, decode_tiles) > 128 ? kPackedWalkCostWide : kPackedWalkCost;
+  return static_cast<double>(chunks * cost) <= static_cast<double>(group * q_tiles) * short_by;
 }
 
 Problem decode_view(const Problem& p) {

@@ -210,15 +210,24 @@ struct DecodeLayout {
 DecodeLayout decode_layout(const detail::Problem& p, int sm_count);
 
 // ---- forwards that the KV-cache kernels run ------------------------------------------------------------------
-// The KV-cache kernels pack the query rows of the heads that share a kv head into one tile (each K and V byte
-// is read once for all of them) and split long key ranges across CTAs, which the forward kernels do not. A
-// forward call runs on them:
+// The KV-cache kernels pack the query rows of the heads that share a kv head into 16-row tiles (each K and V
+// byte is read once for all of them) and split long key ranges across CTAs, which the forward kernels do not:
+// they give each query head its own 128-row tile (sm90; sm80 64 or 128) and one CTA per tile. A forward call
+// runs on the KV-cache kernels:
 //   - a paged varlen forward (block_table), always: the forward kernels read contiguous keys only;
-//   - under AUTO, a dense or varlen forward whose packed rows per (sequence, kv head), group x seqlen_q (varlen:
-//     the longest sequence's), are at most kPackedForwardMaxRows, where a forward kernel's 64- or 128-row query
-//     tile would be mostly empty and its grid a few CTAs per head. Measured with bench/gpu/bench_packed.py.
+//   - under AUTO, a dense or varlen forward of few query rows, by counting the walks over one (sequence, kv
+//     head)'s keys each family makes (seqlen_q: the longest sequence's for varlen):
+//       chunks = ceil(group x seqlen_q / 16)     the KV-cache kernels' CTAs (before splits)
+//       tiles  = group x ceil(seqlen_q / 128)    the forward's query tiles
+//       short  = max(1, sm_count / (batch x nheads x ceil(seqlen_q / 128)))  how far the forward's grid falls
+//                short of one CTA per SM (the KV-cache kernels fill the GPU with splits)
+//     it takes them when chunks == 1, or chunks x cost <= tiles x short, cost 2 (an mma.sync walk against a
+//     wgmma one) or 4 past head dim 128 (two warps per CTA there). On an H100 against the sm90 forward
+//     (bench/results/gpu-packed-2026-12-06-e025927.json; docs/tuning-sm90.md) the rule picks the faster family
+//     within 8% on every measured shape; on sm80-family GPUs it is applied as measured there.
 // Neither with dropout (the KV-cache kernels have none) or a head dim past the widest decode tile built.
-inline constexpr int64_t kPackedForwardMaxRows = 64;
+inline constexpr int64_t kPackedWalkCost = 2;
+inline constexpr int64_t kPackedWalkCostWide = 4;
 
 // Why the KV-cache kernels cannot run forward call p, or "" when they can (dropout; no decode tile for its head
 // dims in this build).
@@ -227,8 +236,8 @@ std::string decode_forward_rejection(const detail::Problem& p, std::span<const i
 // Whether forward call p runs on the KV-cache kernels (the rule above). `request`: the resolved arch path
 // request (requested_arch_path); a forced sm80 or sm90 path keeps a dense or unpaged varlen call on its forward
 // kernels, so both stay testable on every shape.
-bool forward_on_decode_kernels(const detail::Problem& p, flare_arch_path request,
-                               std::span<const int> decode_tiles);
+bool forward_on_decode_kernels(const detail::Problem& p, flare_arch_path request, std::span<const int> decode_tiles,
+                               int sm_count);
 
 // Forward call p as a KV-cache problem for those kernels: no append, no rotary; the keys are k / v as they are
 // (dense: every sequence's seqlen_k keys; varlen: cu_seqlens_k spans, or seqused_k; paged: the block table's

@@ -788,35 +788,55 @@ Problem few_row_forward(int64_t seqlen_q) {
 }
 
 TEST(CudaPackedForward, FewRowsTakeTheDecodeKernelsUnderAuto) {
-  const int64_t group = 4;
-  for (int64_t sq = 1; sq <= 40; ++sq) {
-    const Problem p = few_row_forward(sq);
-    EXPECT_EQ(forward_on_decode_kernels(p, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims),
-              group * sq <= kPackedForwardMaxRows) << "seqlen_q " << sq;
-    EXPECT_FALSE(forward_on_decode_kernels(p, FLARE_ARCH_PATH_SM80, kDecodeHeadDims)) << "forced paths stay";
-    EXPECT_FALSE(forward_on_decode_kernels(p, FLARE_ARCH_PATH_SM90, kDecodeHeadDims)) << "forced paths stay";
+  // The shapes of bench/results/gpu-packed-2026-12-06-e025927.json (H100, 132 SMs): batch, query heads / kv
+  // heads, head dim, the longest seqlen_q that ran faster on the KV-cache kernels (the next one measured, twice
+  // as long, ran faster on the sm90 forward or within 8% of it).
+  struct Measured {
+    int64_t batch, nheads, nheads_k, headdim, fastest_up_to;
+  };
+  const Measured measured[] = {
+      {1, 32, 8, 128, 32}, {1, 32, 32, 128, 32}, {8, 32, 8, 128, 8}, {8, 32, 32, 128, 16},
+      {8, 32, 8, 64, 8},   {8, 32, 8, 256, 4},
+  };
+  for (const Measured& m : measured) {
+    for (int64_t sq = 1; sq <= 256; sq *= 2) {
+      Problem p = few_row_forward(sq);
+      p.batch = m.batch;
+      p.nheads = m.nheads;
+      p.nheads_k = m.nheads_k;
+      p.headdim = p.headdim_v = m.headdim;
+      EXPECT_EQ(forward_on_decode_kernels(p, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims, 132), sq <= m.fastest_up_to)
+          << "batch " << m.batch << " heads " << m.nheads << "/" << m.nheads_k << " d" << m.headdim << " sq " << sq;
+      EXPECT_FALSE(forward_on_decode_kernels(p, FLARE_ARCH_PATH_SM80, kDecodeHeadDims, 132)) << "forced paths stay";
+      EXPECT_FALSE(forward_on_decode_kernels(p, FLARE_ARCH_PATH_SM90, kDecodeHeadDims, 132)) << "forced paths stay";
+    }
   }
-  Problem mha = few_row_forward(kPackedForwardMaxRows);
-  mha.nheads_k = mha.nheads;  // group 1: the rows are seqlen_q
-  EXPECT_TRUE(forward_on_decode_kernels(mha, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims));
-  mha.seqlen_q += 1;
-  EXPECT_FALSE(forward_on_decode_kernels(mha, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims));
+  // One 16-row chunk per (sequence, kv head) always packs; a larger GPU leaves a small grid shorter still.
+  Problem one = few_row_forward(4);
+  one.batch = 4096;
+  EXPECT_TRUE(forward_on_decode_kernels(one, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims, 132));
+  Problem wide = few_row_forward(64);
+  wide.batch = 1;
+  EXPECT_FALSE(forward_on_decode_kernels(wide, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims, 132));
+  EXPECT_TRUE(forward_on_decode_kernels(wide, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims, 1000));
+  Problem empty = few_row_forward(0);
+  EXPECT_FALSE(forward_on_decode_kernels(empty, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims, 132));
 
   Problem p = few_row_forward(1);
-  ASSERT_TRUE(forward_on_decode_kernels(p, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims));
+  ASSERT_TRUE(forward_on_decode_kernels(p, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims, 132));
   p.varlen = true;  // a varlen batch of short sequences packs the same way (seqlen_q: the longest)
   p.cu_seqlens_q = p.cu_seqlens_k = kUsed;
-  EXPECT_TRUE(forward_on_decode_kernels(p, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims));
+  EXPECT_TRUE(forward_on_decode_kernels(p, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims, 132));
   p.dropout_p = 0.1f;
-  EXPECT_FALSE(forward_on_decode_kernels(p, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims));
+  EXPECT_FALSE(forward_on_decode_kernels(p, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims, 132));
   EXPECT_TRUE(contains(decode_forward_rejection(p, kDecodeHeadDims), "dropout"));
   p.dropout_p = 0.f;
   p.headdim = p.headdim_v = 512;  // wider than every decode tile
-  EXPECT_FALSE(forward_on_decode_kernels(p, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims));
+  EXPECT_FALSE(forward_on_decode_kernels(p, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims, 132));
   EXPECT_TRUE(contains(decode_forward_rejection(p, kDecodeHeadDims), "no KV-cache kernel"));
   constexpr int only64[] = {64};
   p.headdim = p.headdim_v = 128;
-  EXPECT_FALSE(forward_on_decode_kernels(p, FLARE_ARCH_PATH_AUTO, only64)) << "a build without the tile";
+  EXPECT_FALSE(forward_on_decode_kernels(p, FLARE_ARCH_PATH_AUTO, only64, 132)) << "a build without the tile";
   EXPECT_TRUE(decode_forward_rejection(p, kDecodeHeadDims).empty());
 
   // A paged varlen forward has no other kernels: it takes these whatever the request (backend.cu refuses a
@@ -827,12 +847,12 @@ TEST(CudaPackedForward, FewRowsTakeTheDecodeKernelsUnderAuto) {
   paged.cu_seqlens_q = kUsed;
   paged.block_table = table;
   for (flare_arch_path r : {FLARE_ARCH_PATH_AUTO, FLARE_ARCH_PATH_SM80, FLARE_ARCH_PATH_SM90}) {
-    EXPECT_TRUE(forward_on_decode_kernels(paged, r, kDecodeHeadDims));
+    EXPECT_TRUE(forward_on_decode_kernels(paged, r, kDecodeHeadDims, 132));
   }
   for (Pass other : {Pass::kBackward, Pass::kKvCache}) {
     Problem q = few_row_forward(1);
     q.pass = other;
-    EXPECT_FALSE(forward_on_decode_kernels(q, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims));
+    EXPECT_FALSE(forward_on_decode_kernels(q, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims, 132));
   }
 }
 

@@ -178,8 +178,8 @@ def test_varlen(dtype, lengths, feature, headdim):
 
 
 # ---- few query rows: under auto the KV-cache kernels run them, packing the query heads of a kv head ------------
-# (src/cuda/heuristics.hpp: forward_on_decode_kernels, group x seqlen_q <= kPackedForwardMaxRows); forced paths
-# run their own forward kernels on the same cases.
+# where src/cuda/heuristics.hpp's forward_on_decode_kernels says so (the rest of these cases run on the forward
+# kernels); forced paths run their own forward kernels on every case.
 
 if SMALL:
     FEW_ROWS = [(1, 1), (1, 37), (3, 29), (7, 5), (2, 16)]
