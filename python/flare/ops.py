@@ -34,6 +34,7 @@ kernels, so autograd does not hand it on. docs/cuda-backend.md has the rule.
 """
 
 import contextlib
+import os
 import struct
 from typing import Optional, Tuple
 
@@ -99,10 +100,13 @@ def _exec_options(ref: Tensor):
 # device alone, so each problem asks once and every later call validates once, in the call itself.
 _WORKSPACE_SIZES_KEPT = 1024
 _workspace_sizes = {}
+# The CUDA forward's plan also reads these variables at each call (the forced arch path, the split-count test
+# knob), and its workspace follows the plan: their values are part of a forward's key.
+_FORWARD_PLAN_ENV = ("FLARE_CUDA_ARCH_PATH", "FLARE_CUDA_FWD_SPLITS")
 
 
-def _workspace_bytes(p, entry, workspace_size):
-    key = (entry.__name__, _capi.problem_key(p))
+def _workspace_bytes(p, entry, workspace_size, env=()):
+    key = (entry.__name__, _capi.problem_key(p), env)
     nbytes = _workspace_sizes.get(key)
     if nbytes is None:
         nbytes = workspace_size(p)
@@ -118,13 +122,14 @@ def _on_device(ref: Tensor):
     return torch.cuda.device(ref.device) if ref.device.type == "cuda" else contextlib.nullcontext()
 
 
-def _validate(ref: Tensor, entry, workspace_size, p):
+def _validate(ref: Tensor, entry, workspace_size, p, env=()):
     """flare's own checks of p, before the Python layer allocates the call's outputs (p holds planned views for
     them: _capi.planned_view), so a call flare refuses costs no allocation, however large its outputs would be.
     They run in flare's size query, asked once per problem (_workspace_bytes): a later call of the same problem
-    is validated once, by the call itself. Returns the workspace bytes the call needs on CUDA."""
+    is validated once, by the call itself. Returns the workspace bytes the call needs on CUDA. env: the values
+    of the variables the call's plan reads, when they matter (_FORWARD_PLAN_ENV)."""
     with _on_device(ref):
-        return _workspace_bytes(p, entry, workspace_size)
+        return _workspace_bytes(p, entry, workspace_size, env)
 
 
 def _run(ref: Tensor, entry, nbytes, p):
@@ -330,7 +335,8 @@ def fwd_eager(q: Tensor, k: Tensor, v: Tensor,
     sinks32 = _sinks_view(p, sinks)
     _set_dropout(p, dropout_p, dropout_seed, dropout_offset)
     entry = lib.fwd_varlen if varlen else lib.fwd
-    nbytes = _validate(q, entry, lambda p: lib.fwd_workspace_size(p, varlen), p)
+    env = tuple(map(os.environ.get, _FORWARD_PLAN_ENV)) if q.is_cuda else ()
+    nbytes = _validate(q, entry, lambda p: lib.fwd_workspace_size(p, varlen), p, env)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     p.out.data, p.softmax_lse.data = out.data_ptr(), lse.data_ptr()  # laid out as planned

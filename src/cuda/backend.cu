@@ -129,8 +129,11 @@ struct Plan {
   ArchPath path = ArchPath::kSm80;
   int headdim = 0;                    // sm80: the head-dim tile; sm90: the call's head dim
   SmemClass cls = SmemClass::kLarge;  // sm80 only
+  int splits = 1;                     // sm80 forward only: split-KV (sm80_forward_splits)
   DeviceProps dev;
 };
+
+void fill_attn(const Problem& p, AttnParams* a);
 
 // Shared memory of the sm90 forward for the call's (dtype, head dim), 0 where this build has no such unit.
 int sm90_smem_bytes(const Problem& p) {
@@ -192,6 +195,13 @@ flare_status plan_call(const Problem& p, Plan* plan) {
   const SmemChoice smem = sm80_smem_class(p.pass, k.headdim, bytes, k.dev, kBuilt.all_smem_configs);
   if (!smem.unsupported.empty()) return fail(FLARE_UNSUPPORTED, smem.unsupported);
   k.cls = smem.cls;
+  if (!bwd) {
+    AttnParams a;
+    fill_attn(p, &a);
+    a.forward_rows = forced_forward_rows(std::getenv("FLARE_CUDA_FWD_ROWS"));
+    k.splits = sm80_forward_splits(p, sm80_forward_rows(k.headdim, a), k.dev.sm_count,
+                                   forced_forward_splits(std::getenv("FLARE_CUDA_FWD_SPLITS")));
+  }
   *plan = k;
   return FLARE_OK;
 }
@@ -275,6 +285,71 @@ BwdLayout bwd_layout(const Problem& p, const Plan& k) {
   return sm80_bwd_layout(p, k.headdim, block_n, k.dev.sm_count);
 }
 
+// The sm80 forward of a planned call; with split-KV (k.splits > 1) into the workspace (the caller's, or a
+// stream-ordered allocation), then the KV-cache pass's combine kernel merges the splits into out and lse.
+flare_status forward_sm80(const Problem& p, const Plan& k, AttnParams a, cudaStream_t stream) {
+  a.forward_rows = forced_forward_rows(std::getenv("FLARE_CUDA_FWD_ROWS"));
+  const FwdSplitLayout l = sm80_forward_split_layout(p, k.splits);
+  void* ws = nullptr;
+  bool owned = false;
+  if (l.splits > 1) {
+    if (p.workspace != nullptr && reinterpret_cast<uintptr_t>(p.workspace) % 256 != 0) {
+      return fail(FLARE_INVALID_ARGUMENT, "exec.workspace is not 256-byte aligned: the split-KV forward lays its "
+                                          "buffers out from it (cudaMalloc and torch allocations are)");
+    }
+    if (p.workspace != nullptr && p.workspace_size < l.total()) {
+      return fail(FLARE_OUT_OF_MEMORY, cat("exec.workspace_size is ", p.workspace_size, " bytes but this call "
+                                           "needs ", l.total(), " bytes (see flare_fwd_workspace_size)"));
+    }
+    ws = p.workspace;
+    if (ws == nullptr) {
+      if (cudaError_t e = cudaMallocAsync(&ws, l.total(), stream); e != cudaSuccess) {
+        cudaGetLastError();
+        return fail(FLARE_OUT_OF_MEMORY, cat("cudaMallocAsync of the split-KV forward's workspace (", l.total(),
+                                             " bytes) failed: ", cudaGetErrorString(e)));
+      }
+      owned = true;
+    }
+    a.num_splits = l.splits;
+    a.part_rows = static_cast<int>(l.part_rows);
+    a.part_o = static_cast<float*>(ws);
+    a.part_lse = reinterpret_cast<float*>(static_cast<char*>(ws) + l.part_o);
+  }
+  const char* step = "the sm80 forward kernel";
+  cudaError_t e = sm80_dispatch(p.dtype, k.headdim, cudaErrorInvalidValue, [&]<flare_dtype D, int d>() {
+    if constexpr (kHasForward) return sm80::run_forward<D, d>(a, stream, k.cls);
+    return cudaErrorInvalidValue;  // unreachable: plan_call refuses a forward this build lacks
+  });
+  if (e == cudaSuccess && l.splits > 1) {
+    step = "the split-KV combine kernel";
+    KvCacheParams c;
+    c.out = p.out;
+    c.lse = p.lse;
+    c.lse_batch_stride = p.lse_batch_stride;
+    c.lse_head_stride = p.lse_head_stride;
+    c.batch = static_cast<int>(p.batch);
+    c.nheads = static_cast<int>(p.nheads);
+    c.nheads_k = static_cast<int>(p.nheads_k);
+    c.group = static_cast<int>(p.nheads / p.nheads_k);
+    c.headdim = static_cast<int>(p.headdim);
+    c.headdim_v = static_cast<int>(p.headdim_v);
+    c.seqlen_q = static_cast<int>(p.seqlen_q);
+    c.rows = a.part_rows;
+    c.cu_seqlens_q = p.varlen ? p.cu_seqlens_q : nullptr;
+    c.sinks = p.sinks;
+    c.num_splits = a.num_splits;
+    c.part_o = a.part_o;
+    c.part_lse = a.part_lse;
+    e = decode::run_combine(c, p.dtype, stream);
+  }
+  if (owned) {
+    const cudaError_t f = cudaFreeAsync(ws, stream);
+    if (e == cudaSuccess) e = f;
+  }
+  if (e != cudaSuccess) return cuda_fail(e, cat("launching ", step));
+  return FLARE_OK;
+}
+
 }  // namespace
 
 flare_status forward(const Problem& p) {
@@ -298,18 +373,14 @@ flare_status forward(const Problem& p) {
     e = sm90_dispatch(p.dtype, k.headdim, e,
                       [&]<flare_dtype D, int d>() { return sm90::run_forward<D, d>(a, q_tokens, k_tokens, stream); });
   } else {
-    a.forward_rows = forced_forward_rows(std::getenv("FLARE_CUDA_FWD_ROWS"));
-    e = sm80_dispatch(p.dtype, k.headdim, e, [&]<flare_dtype D, int d>() {
-      if constexpr (kHasForward) return sm80::run_forward<D, d>(a, stream, k.cls);
-      return cudaErrorInvalidValue;  // unreachable: plan_call refuses a forward this build lacks
-    });
+    return forward_sm80(p, k, a, stream);
   }
   if (e != cudaSuccess) return cuda_fail(e, cat("launching the ", arch_path_name(k.path), " forward kernel"));
   return FLARE_OK;
 }
 
-// Asked of the kernels that will run the call: the sm80 backward's fp32 buffers; the KV-cache kernels' split
-// buffers for a forward they run; the forward kernels of either path take none.
+// Asked of the kernels that will run the call: the sm80 backward's fp32 buffers; the split buffers of a forward
+// that the KV-cache kernels run or that the sm80 forward splits; the sm90 forward takes none.
 flare_status workspace_size(const Problem& p, size_t* bytes) {
   *bytes = 0;
   bool on_decode = false;
@@ -318,6 +389,7 @@ flare_status workspace_size(const Problem& p, size_t* bytes) {
   Plan k;
   if (flare_status s = plan_call(p, &k); s != FLARE_OK) return s;
   if (p.pass == Pass::kBackward) *bytes = bwd_layout(p, k).total();
+  if (p.pass == Pass::kForward && k.path == ArchPath::kSm80) *bytes = sm80_forward_split_layout(p, k.splits).total();
   return FLARE_OK;
 }
 

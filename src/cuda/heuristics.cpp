@@ -3,6 +3,7 @@
 #include "cuda/heuristics.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <string_view>
 
@@ -259,6 +260,50 @@ Problem decode_view(const Problem& p) {
     d.cu_seqlens_q = d.cu_seqlens_k = nullptr;
   }
   return d;
+}
+
+int forced_forward_splits(const char* env) {
+  if (env == nullptr || *env == '\0') return 0;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  return *end == '\0' && v >= 1 && v <= decode::kMaxSplits ? static_cast<int>(v) : 0;  // else ignored
+}
+
+int sm80_forward_splits(const Problem& p, int block_m, int sm_count, int forced) {
+  if (p.pass != Pass::kForward || p.dropout_p > 0.0f || p.seqlen_q <= 0 || p.seqlen_k <= 0) return 1;
+  const int64_t limit = std::clamp<int64_t>(p.seqlen_k / kMinKeysPerForwardSplit, 1, decode::kMaxSplits);
+  if (forced > 0) return static_cast<int>(std::min<int64_t>(forced, limit));
+  const int64_t ctas = p.batch * p.nheads * ((p.seqlen_q + block_m - 1) / std::max(block_m, 1));
+  const int64_t slots = 2 * int64_t{std::max(sm_count, 1)};
+  if (ctas == 0 || 10 * ctas >= 8 * slots) return 1;
+  // Efficiency of s splits: the share of the slots its waves of CTAs keep busy.
+  const auto efficiency = [&](int64_t s) {
+    const double waves = static_cast<double>(ctas * s) / static_cast<double>(slots);
+    return waves / std::ceil(waves);
+  };
+  const int64_t tiles = (p.seqlen_k + kMinKeysPerForwardSplit - 1) / kMinKeysPerForwardSplit;
+  const auto eligible = [&](int64_t s) {  // s changes the key tiles per split
+    return s == 1 || (tiles + s - 1) / s != (tiles + s - 2) / (s - 1);
+  };
+  double best = 0.0;
+  for (int64_t s = 1; s <= limit; ++s) {
+    if (eligible(s)) best = std::max(best, efficiency(s));
+  }
+  for (int64_t s = 1; s <= limit; ++s) {
+    if (eligible(s) && efficiency(s) >= 0.85 * best) return static_cast<int>(s);
+  }
+  return 1;
+}
+
+FwdSplitLayout sm80_forward_split_layout(const Problem& p, int splits) {
+  FwdSplitLayout l;
+  l.splits = splits;
+  if (splits <= 1) return l;
+  l.part_rows = p.nheads / std::max<int64_t>(1, p.nheads_k) * p.seqlen_q;
+  const size_t parts = static_cast<size_t>(p.batch * p.nheads_k * l.part_rows * splits);
+  l.part_o = align256(parts * static_cast<size_t>(p.headdim_v) * sizeof(float));
+  l.part_lse = align256(parts * sizeof(float));
+  return l;
 }
 
 }  // namespace flare::cuda

@@ -151,6 +151,31 @@ inline int sm80_forward_rows(int head_dim_tile, AttnParams const& p) {
   return p.forward_rows != 128 && p.seqlen_q <= short_up_to ? 64 : 128;
 }
 
+// ---- split-KV in the sm80 forward (AttnParams::num_splits) -------------------------------------------------
+// FLARE_CUDA_FWD_SPLITS: a count >= 1 forces the sm80 forward's split count (tests check the split path on
+// shapes the rule keeps whole); anything else is ignored: 0, sm80_forward_splits' rule.
+int forced_forward_splits(const char* env);
+
+// The split count of an sm80 forward call: 1 while its CTAs (batch x nheads x query tiles of block_m rows) fill
+// at least 80% of the GPU's 2 x sm_count slots (two CTAs per SM); else the smallest count whose CTAs fill
+// their waves of slots within 85% as well as the best count does (FlashAttention 2's rule), counting only
+// counts that change the key tiles per split, each split at least kMinKeysPerForwardSplit keys, at most
+// decode::kMaxSplits. Dropout calls: 1. `forced` > 0 (forced_forward_splits) replaces the rule, cut to the same
+// limits. seqlen_q / seqlen_k: the longest sequences (varlen: upper bounds).
+inline constexpr int64_t kMinKeysPerForwardSplit = 128;
+int sm80_forward_splits(const detail::Problem& p, int block_m, int sm_count, int forced);
+
+// The workspace of an sm80 forward with `splits` > 1: the splits' fp32 outputs and lse, rows packed as the
+// combine kernel reads them (AttnParams::part_rows = group x seqlen_q per (sequence, kv head)); all zero
+// for one split.
+struct FwdSplitLayout {
+  int splits = 1;
+  int64_t part_rows = 0;
+  size_t part_o = 0, part_lse = 0;  // bytes, each 256-byte aligned
+  size_t total() const { return part_o + part_lse; }
+};
+FwdSplitLayout sm80_forward_split_layout(const detail::Problem& p, int splits);
+
 // Whether a forward call's rows see few enough key tiles for the kernel that never skips the output rescale
 // (sm80 FwdConfigOf::PlainFewKeys). seqlen_k: the longest key sequence (varlen: an upper bound).
 inline bool sm80_forward_few_keys(AttnParams const& p) { return p.seqlen_k <= 1024; }

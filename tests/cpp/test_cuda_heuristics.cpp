@@ -36,6 +36,7 @@ const BuiltKernels kBuilt128{kOnly128, kOnly128};
 
 constexpr int kSm90Smem = 200 * 1024;  // what an sm90 unit might take; fits the H200's 227 KB
 
+size_t align_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
 bool contains(const std::string& s, const char* part) { return s.find(part) != std::string::npos; }
 bool has(std::span<const int> list, int64_t d) { return std::find(list.begin(), list.end(), d) != list.end(); }
 
@@ -938,6 +939,72 @@ TEST(CudaPackedForward, SequenceOfReadsEveryLayout) {
   v.block_table = table;
   EXPECT_EQ(decode::sequence_of(v, 2).k_offset, 0);
   EXPECT_EQ(decode::sequence_of(v, 2).len_k, 9);
+}
+
+// ---- split-KV in the sm80 forward (heuristics.hpp: sm80_forward_splits) --------------------------------------
+
+TEST(CudaForwardSplits, OnlyAGridThatLeavesTheGpuEmptySplits) {
+  Problem p = few_row_forward(64);  // 32 heads
+  p.batch = 1;
+  p.seqlen_k = 16384;
+  // 32 CTAs of 64 rows for 264 slots (132 SMs, two CTAs each): 7 splits fill one wave to 85%, within 85% of
+  // the best count's waves (the first count that is).
+  EXPECT_EQ(sm80_forward_splits(p, 64, 132, 0), 7);
+  // Enough CTAs (80% of the slots and more): whole.
+  p.batch = 7;  // 224 CTAs
+  EXPECT_EQ(sm80_forward_splits(p, 64, 132, 0), 1);
+  p.batch = 6;  // 192 CTAs: 73% of the slots
+  EXPECT_GT(sm80_forward_splits(p, 64, 132, 0), 1);
+  // Never shorter than kMinKeysPerForwardSplit keys a split, never more than decode::kMaxSplits.
+  p.batch = 1;
+  p.nheads = p.nheads_k = 1;
+  for (int64_t keys : {1, 127, 128, 300, 1000, 100000}) {
+    p.seqlen_k = keys;
+    const int s = sm80_forward_splits(p, 64, 132, 0);
+    EXPECT_GE(s, 1);
+    EXPECT_LE(s, std::max<int64_t>(1, keys / kMinKeysPerForwardSplit)) << keys;
+    EXPECT_LE(s, decode::kMaxSplits);
+  }
+  // Dropout stays whole, forced or not; a forced count is cut to the keys.
+  p.seqlen_k = 1000;
+  EXPECT_EQ(sm80_forward_splits(p, 64, 132, 5), 5);
+  EXPECT_EQ(sm80_forward_splits(p, 64, 132, 100), 7) << "1000 keys hold 7 splits of 128";
+  p.dropout_p = 0.1f;
+  EXPECT_EQ(sm80_forward_splits(p, 64, 132, 0), 1);
+  EXPECT_EQ(sm80_forward_splits(p, 64, 132, 5), 1);
+}
+
+TEST(CudaForwardSplits, EachCountChangesTheTilesPerSplit) {
+  // The chosen count is one that changes ceil(tiles / s) (a count that does not only adds empty CTAs' cost).
+  for (int64_t keys : {512, 2048, 5000, 16384}) {
+    for (int64_t heads : {1, 8, 32}) {
+      Problem p = few_row_forward(16);
+      p.batch = 1;
+      p.nheads = heads;
+      p.nheads_k = 1;
+      p.seqlen_k = keys;
+      const int64_t s = sm80_forward_splits(p, 64, 132, 0);
+      const int64_t tiles = (keys + kMinKeysPerForwardSplit - 1) / kMinKeysPerForwardSplit;
+      if (s > 1) EXPECT_NE((tiles + s - 1) / s, (tiles + s - 2) / (s - 1)) << keys << " " << heads;
+    }
+  }
+}
+
+TEST(CudaForwardSplits, KnobAndWorkspace) {
+  EXPECT_EQ(forced_forward_splits(nullptr), 0);
+  EXPECT_EQ(forced_forward_splits(""), 0);
+  EXPECT_EQ(forced_forward_splits("3"), 3);
+  EXPECT_EQ(forced_forward_splits("0"), 0);
+  EXPECT_EQ(forced_forward_splits("-2"), 0);
+  EXPECT_EQ(forced_forward_splits("3x"), 0);
+  EXPECT_EQ(forced_forward_splits("100000"), 0);
+  Problem p = few_row_forward(10);  // 32 / 8 heads, batch 2, head dim 128
+  EXPECT_EQ(sm80_forward_split_layout(p, 1).total(), 0u);
+  const FwdSplitLayout l = sm80_forward_split_layout(p, 3);
+  EXPECT_EQ(l.part_rows, 4 * 10);
+  EXPECT_EQ(l.part_lse, align_up(2 * 8 * 40 * 3 * 4));
+  EXPECT_EQ(l.part_o, align_up(2 * 8 * 40 * 3 * 128 * 4));
+  EXPECT_EQ(l.part_o % 256, 0u) << "part_lse starts 256-byte aligned";
 }
 
 }  // namespace

@@ -89,6 +89,11 @@ def main():
                                                 causal=True, page=3),
         "paged16-varlen-hd256-bf16-alibi": Case(dtype=bf16, seqlens_q=[17, 1, 64], seqlens_k=[40, 900, 64],
                                                 nheads=4, nheads_k=1, headdim=256, alibi="batch", page=16),
+        # Split-KV in the sm80 forward, forced (FLARE_CUDA_ARCH_PATH=sm80, FLARE_CUDA_FWD_SPLITS=3), with the
+        # combine kernel merging into out and lse.
+        "split3-varlen-causal-gqa-hd128-bf16": Case(dtype=bf16, seqlens_q=[1, 64, 0, 129],
+                                                    seqlens_k=[300, 64, 5, 700], nheads=4, nheads_k=2, headdim=128,
+                                                    causal=True, sinks=True),
         # The small-shared-memory kernels (sm_86 / sm_89), forced by FLARE_CUDA_SMEM_LIMIT (see SMALL_SMEM).
         "small-causal-hd128-bf16": Case(dtype=bf16, batch=2, seqlen_q=257, seqlen_k=190, nheads=4, nheads_k=2,
                                         headdim=128, causal=True),
@@ -129,12 +134,20 @@ def main():
     require_cuda_backend()
     torch.manual_seed(int(os.environ.get("FLARE_TEST_SEED", "1234")))
     failed, not_built = [], []
+    outer_env = {var: os.environ.get(var) for var in ("FLARE_CUDA_ARCH_PATH", "FLARE_CUDA_FWD_SPLITS")}
     for name, case in cases.items():
         start = time.perf_counter()
         if name.startswith("small-"):
             os.environ["FLARE_CUDA_SMEM_LIMIT"] = str(SMALL_SMEM)
         else:
             os.environ.pop("FLARE_CUDA_SMEM_LIMIT", None)
+        for var, value in (("FLARE_CUDA_ARCH_PATH", "sm80"), ("FLARE_CUDA_FWD_SPLITS", "3")):
+            if name.startswith("split3-"):
+                os.environ[var] = value
+            elif outer_env[var] is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = outer_env[var]
         try:
             if isinstance(case, KvCase):
                 check_kv_case(case)

@@ -128,6 +128,34 @@ def test_forward_tiles(monkeypatch, rows, seqlens, headdim, mask):
                     headdim=headdim, **FORCED_MASKS[mask]), backward=False)
 
 
+# ---- split-KV in the sm80 forward: forced split counts (FLARE_CUDA_FWD_SPLITS) on masks, layouts, sinks -------
+# The rule (heuristics.hpp: sm80_forward_splits) splits only grids that leave the GPU mostly empty; forcing a
+# count checks the split path and the combine on every kind of call, with the backward reading the merged lse.
+
+SPLITS = ["2", "3", "7"]
+SPLIT_CASES = {
+    "causal-gqa": dict(batch=2, seqlen_q=113, seqlen_k=1037, nheads=8, nheads_k=2, headdim=128, causal=True),
+    "sq>sk-causal-mqa": dict(batch=1, seqlen_q=300, seqlen_k=200, nheads=4, nheads_k=1, headdim=64, causal=True),
+    "window-softcap-alibi": dict(batch=2, seqlen_q=77, seqlen_k=900, nheads=4, nheads_k=2, headdim=256,
+                                 window=(300, 20), softcap=20.0, alibi="batch"),
+    "sinks": dict(batch=2, seqlen_q=1, seqlen_k=2000, nheads=8, nheads_k=2, headdim=128, sinks=True),
+    "hd40-v72": dict(batch=2, seqlen_q=50, seqlen_k=640, nheads=6, nheads_k=3, headdim=40, headdim_v=72),
+    "varlen-seqused": dict(seqlens_q=[1, 64, 0, 129], seqlens_k=[300, 64, 5, 700], seqused_k=[250, 64, 0, 699],
+                           nheads=4, nheads_k=2, headdim=128, causal=True),
+}
+if SMALL:
+    SPLIT_CASES = {name: {**c, **({"seqlen_k": min(c["seqlen_k"], 60)} if "seqlen_k" in c else {})}
+                   for name, c in SPLIT_CASES.items() if "varlen" not in name}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+@pytest.mark.parametrize("splits", SPLITS)
+def test_forward_splits(monkeypatch, splits, name):
+    monkeypatch.setenv("FLARE_CUDA_ARCH_PATH", "sm80")  # the split path is the sm80 forward's
+    monkeypatch.setenv("FLARE_CUDA_FWD_SPLITS", splits)
+    check_case(Case(dtype=torch.bfloat16, **SPLIT_CASES[name]))
+
+
 # ---- varlen: ragged lengths, empty sequences, seqused_k ------------------------------------------------------
 
 if SMALL:

@@ -54,6 +54,17 @@ struct AttnParams {
   // Query rows per forward CTA: 0 = by the sequence lengths (sm80::forward_shape); 64 or 128 forces that tile
   // (tests, through FLARE_CUDA_FWD_ROWS: each shape must be checked whatever the lengths pick).
   int forward_rows = 0;
+
+  // Split-KV in the sm80 forward (heuristics.hpp: sm80_forward_splits): with num_splits > 1 each query tile's
+  // key tiles are cut into that many runs, one CTA each, and every CTA writes its rows' normalised fp32 output
+  // and lse (no sink) into the workspace for the KV-cache pass's combine kernel (src/cuda/decode/kernels.cu),
+  // which merges them into out and lse. Rows are packed as the combine reads them: row i of query head h is
+  // row (h % group) * len_q + i of (sequence b, kv head h / group), of part_rows (group x seqlen_q) in all;
+  //   part_lse[((b * nheads_k + hk) * part_rows + row) * num_splits + split],  part_o[that * headdim_v + c].
+  int num_splits = 1;
+  int part_rows = 0;
+  float* part_o = nullptr;
+  float* part_lse = nullptr;
 };
 
 // True when a call has softcap or ALiBi: the score transform, which kernels may compile separately.

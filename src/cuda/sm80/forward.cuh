@@ -1,4 +1,5 @@
-// forward.cuh — the sm80 forward kernel (FlashAttention-2 scheme): one CTA per (query tile, head, batch);
+// forward.cuh — the sm80 forward kernel (FlashAttention-2 scheme): one CTA per (query tile, head, batch), or
+// with split-KV per (query tile, split, head, batch), the splits merged by the KV-cache pass's combine kernel;
 // Q stays in shared memory, K and V tiles stream through it with cp.async while the tensor cores work;
 // scores, the online softmax and the output accumulator live in registers. Key tiles are walked from the
 // last to the first, so the boundary tiles of a causal mask come first and the rest run unmasked.
@@ -25,6 +26,15 @@ __device__ __forceinline__ void key_tiles_of(policy::WindowMask const& mask, int
   n_last = static_cast<int>((last + block_n) / block_n);
 }
 
+// Split `split` of `splits` (split-KV, AttnParams::num_splits) keeps its run of the key tiles [n_first, n_last):
+// runs of ceil(count / splits) tiles from the first, the last ones shorter or empty.
+__device__ __forceinline__ void split_key_tiles(int split, int splits, int& n_first, int& n_last) {
+  const int per = (n_last - n_first + splits - 1) / splits;
+  const int lo = n_first + split * per;
+  n_first = min(lo, n_last);
+  n_last = min(lo + per, n_last);
+}
+
 // T::kPlain: compiled with the mask alone, for calls without softcap and ALiBi; else with the score transform.
 // T::kDropout: compiled with dropout.
 // kWholeDims: for calls whose head dims fill the tile (T::kWholeDimsKernel), K and V tiles are copied without
@@ -37,8 +47,10 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
   constexpr int kBlockN = T::kBlockN;
   constexpr int kHeadDim = T::kHeadDim;
 
-  // Heavy (late, for causal) query tiles first.
-  const int m_block = gridDim.x - 1 - blockIdx.x;
+  // Heavy (late, for causal) query tiles first; with split-KV, the splits of a tile side by side.
+  const int splits = p.num_splits;
+  const int split = static_cast<int>(blockIdx.x) % splits;
+  const int m_block = static_cast<int>(gridDim.x) / splits - 1 - static_cast<int>(blockIdx.x) / splits;
   const int h = blockIdx.y;
   const int b = blockIdx.z;
   const int tid = threadIdx.x;
@@ -60,6 +72,7 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
     key_tiles_of(shape.mask, m0, min(m0 + kBlockM, seq.len_q), kBlockN, n_first, n_last);
     seen_by_all = shape.keys_seen_by_all(m0, m0 + kBlockM);
   }
+  if (splits > 1) split_key_tiles(split, splits, n_first, n_last);
 
   // ---- global and shared views
   const auto gmem = [](Operand const& t, int64_t offset, int rows) {
@@ -235,6 +248,34 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
     for (int n = n_last - 1; n >= n_first; --n) visit(n, !seen_by_all.covers(n * kBlockN, kBlockN));
   }
 
+  // ---- split-KV epilogue: the rows' normalised fp32 output and lse (no sink: the combine folds it) into the
+  // workspace, straight from the registers; an empty split writes lse -inf, which the combine skips.
+  if (splits > 1) {
+    using OutCoords = AccCoords<typename T::TiledMma, Shape<Int<kBlockM>, Int<kHeadDim>>>;
+    const OutCoords out_coords(mma, tid);
+    Tensor out_s = OutCoords::offsets();
+    Tensor out_rc = make_tensor(out_s.data(), rowcol_layout(out_s.layout()));
+    const int64_t rows0 = (int64_t{b} * p.nheads_k + hk) * p.part_rows + (h % (p.nheads / p.nheads_k)) * seq.len_q;
+    CUTE_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      const float sum = quad_sum(row_sum[r]);
+      const int row = m0 + out_coords.row_base + get<0>(out_rc(r, 0));
+      if (row >= seq.len_q) continue;
+      const int64_t part = (rows0 + row) * splits + split;
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(o_rc); ++c) {
+        const int col = out_coords.col_base + get<1>(out_rc(r, c));
+        if (col < p.headdim_v) p.part_o[part * p.headdim_v + col] = o_rc(r, c) * inv;
+      }
+      if (out_coords.col_base + get<1>(out_rc(r, 0)) == 0) {
+        p.part_lse[part] = sum > 0.f ? (row_max[r] * f + __log2f(sum)) * kLn2 : -INFINITY;
+      }
+    }
+    cp_async_wait<0>();  // no copy may outlive the CTA
+    return;
+  }
+
   // ---- epilogue: normalise (the head's sink folded in), write lse and out (through shared memory, 16-byte stores)
   float* lse = p.lse != nullptr ? p.lse + seq.lse_offset(p, b, h) : nullptr;
   const float sink = p.sinks != nullptr ? p.sinks[h] : -INFINITY;
@@ -282,7 +323,7 @@ cudaError_t launch_forward_kernel(AttnParams const& p, cudaStream_t stream) {
       return e;
     }
   }
-  const dim3 grid((p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.nheads, p.batch);
+  const dim3 grid((p.seqlen_q + T::kBlockM - 1) / T::kBlockM * p.num_splits, p.nheads, p.batch);
   kernel<<<grid, T::kThreads, kSmem, stream>>>(p);
   return cudaGetLastError();
 }
