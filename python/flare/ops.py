@@ -100,9 +100,10 @@ def _exec_options(ref: Tensor):
 # device alone, so each problem asks once and every later call validates once, in the call itself.
 _WORKSPACE_SIZES_KEPT = 1024
 _workspace_sizes = {}
-# The CUDA forward's plan also reads these variables at each call (the forced arch path, the split-count test
-# knob), and its workspace follows the plan: their values are part of a forward's key.
-_FORWARD_PLAN_ENV = ("FLARE_CUDA_ARCH_PATH", "FLARE_CUDA_FWD_SPLITS")
+# The CUDA forward's plan also reads these variables at each call (the forced arch path, the test knobs of the
+# sm80 forward's rows, splits and shared memory), and its workspace follows the plan: their values are part of
+# a forward's key.
+_FORWARD_PLAN_ENV = ("FLARE_CUDA_ARCH_PATH", "FLARE_CUDA_FWD_ROWS", "FLARE_CUDA_FWD_SPLITS", "FLARE_CUDA_SMEM_LIMIT")
 
 
 def _workspace_bytes(p, entry, workspace_size, env=()):

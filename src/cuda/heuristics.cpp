@@ -90,8 +90,15 @@ std::string sm90_rejection(const Problem& p, const DeviceProps& dev, const Built
   return {};
 }
 
-std::string sm90_slower(const Problem& p) {
-  if (!p.varlen || p.batch <= 0) return {};
+std::string sm90_slower(const Problem& p, const DeviceProps& dev) {
+  if (p.batch <= 0) return {};
+  const int64_t sm90_ctas = p.batch * p.nheads * ((p.seqlen_q + 127) / 128);
+  if (p.dropout_p == 0.0f && p.seqlen_k >= kSm90SmallGridMinKeys &&
+      sm90_ctas * kSm90SmallGridShare <= std::max(dev.sm_count, 1)) {
+    return cat("the sm90 grid (", sm90_ctas, " CTAs) would leave most of the ", dev.sm_count, " SMs idle over ",
+               p.seqlen_k, " keys: the sm80 path splits the keys across CTAs");
+  }
+  if (!p.varlen) return {};
   const int64_t mean = p.total_q / p.batch;
   const int64_t min_mean = p.headdim <= 64 ? kSm90VarlenMinMeanTokensHd64 : kSm90VarlenMinMeanTokens;
   if (mean >= min_mean) return {};
@@ -104,7 +111,7 @@ PathChoice choose_arch_path(const Problem& p, flare_arch_path request, const Dev
   PathChoice c;
   if (request == FLARE_ARCH_PATH_SM80) return c;
   std::string why_not = sm90_rejection(p, dev, built, sm90_smem_bytes);
-  if (why_not.empty() && request == FLARE_ARCH_PATH_AUTO) why_not = sm90_slower(p);
+  if (why_not.empty() && request == FLARE_ARCH_PATH_AUTO) why_not = sm90_slower(p, dev);
   if (why_not.empty()) {
     c.path = ArchPath::kSm90;
   } else if (request == FLARE_ARCH_PATH_SM90) {

@@ -96,9 +96,19 @@ std::string sm90_rejection(const detail::Problem& p, const DeviceProps& dev, con
 inline constexpr int64_t kSm90VarlenMinMeanTokens = 512;
 inline constexpr int64_t kSm90VarlenMinMeanTokensHd64 = 1024;
 
+// A dense or varlen forward whose sm90 grid (batch x nheads x 128-row query tiles) fills at most
+// 1 / kSm90SmallGridShare of the SMs over at least kSm90SmallGridMinKeys keys runs faster on the sm80 path,
+// which splits the keys across CTAs (sm80_forward_splits) where the sm90 kernel leaves the SMs idle: one
+// sequence of 32 heads, 64-128 query rows and 16K keys on an H100, 124-141 us against 188-191
+// (bench/results/gpu-packed-2026-12-06-565a0d8.json; docs/tuning-sm90.md). Fewer rows than that mostly go to
+// the KV-cache kernels first (forward_on_decode_kernels).
+inline constexpr int64_t kSm90SmallGridShare = 4;
+inline constexpr int64_t kSm90SmallGridMinKeys = 4096;
+
 // Why AUTO gives a call the sm80 path although the sm90 path could run it (sm80 measured faster), or "" when
-// the sm90 path is the faster. Forced sm90 still runs such a call.
-std::string sm90_slower(const detail::Problem& p);
+// the sm90 path is the faster: a varlen batch of short sequences (above), or a grid too small for the GPU
+// (kSm90SmallGridShare). Forced sm90 still runs such a call.
+std::string sm90_slower(const detail::Problem& p, const DeviceProps& dev);
 
 struct PathChoice {
   ArchPath path = ArchPath::kSm80;

@@ -229,23 +229,47 @@ TEST(CudaHeuristics, ShortVarlenBatchesTakeSm80UnderAuto) {
   p.total_q = p.total_k = 100 * (kSm90VarlenMinMeanTokens - 1);
   const PathChoice autod = choose_arch_path(p, FLARE_ARCH_PATH_AUTO, kH200, kFull, kSm90Smem);
   EXPECT_EQ(autod.path, ArchPath::kSm80);
-  EXPECT_EQ(autod.fallback, sm90_slower(p));
+  EXPECT_EQ(autod.fallback, sm90_slower(p, kH200));
   EXPECT_TRUE(contains(autod.fallback, "511 query tokens on average, under 512 at head dim 128")) << autod.fallback;
   const PathChoice forced = choose_arch_path(p, FLARE_ARCH_PATH_SM90, kH200, kFull, kSm90Smem);
   EXPECT_EQ(forced.path, ArchPath::kSm90);
   EXPECT_TRUE(forced.unsupported.empty()) << forced.unsupported;
   p.total_q = 100 * kSm90VarlenMinMeanTokens;  // the mean reaches the threshold
-  EXPECT_EQ(sm90_slower(p), "");
+  EXPECT_EQ(sm90_slower(p, kH200), "");
   EXPECT_EQ(choose_arch_path(p, FLARE_ARCH_PATH_AUTO, kH200, kFull, kSm90Smem).path, ArchPath::kSm90);
   p.headdim = p.headdim_v = 64;  // head dim 64 keeps sm80 to longer sequences
-  EXPECT_TRUE(contains(sm90_slower(p), "512 query tokens on average, under 1024 at head dim 64")) << sm90_slower(p);
+  EXPECT_TRUE(contains(sm90_slower(p, kH200), "512 query tokens on average, under 1024 at head dim 64")) << sm90_slower(p, kH200);
   p.total_q = 100 * kSm90VarlenMinMeanTokensHd64;
   EXPECT_EQ(choose_arch_path(p, FLARE_ARCH_PATH_AUTO, kH200, kFull, kSm90Smem).path, ArchPath::kSm90);
   Problem dense = forward_call();
   dense.seqlen_q = dense.seqlen_k = 64;
   dense.total_q = dense.total_k = 128;
-  EXPECT_EQ(sm90_slower(dense), "");
+  EXPECT_EQ(sm90_slower(dense, kH200), "");
   EXPECT_EQ(choose_arch_path(dense, FLARE_ARCH_PATH_AUTO, kH200, kFull, kSm90Smem).path, ArchPath::kSm90);
+}
+
+// A forward whose sm90 grid would fill at most a quarter of the SMs over long keys runs on sm80 under AUTO,
+// where the keys are split across CTAs (measured: bench/results/gpu-packed-2026-12-06-565a0d8.json).
+TEST(CudaHeuristics, SmallSm90GridsOverLongKeysTakeSm80UnderAuto) {
+  Problem p = forward_call();
+  p.batch = 1;
+  p.nheads = 32;
+  p.nheads_k = 8;
+  p.seqlen_q = 128;  // 32 CTAs of 128 rows: a quarter of 132 SMs at most
+  p.seqlen_k = 16384;
+  const PathChoice autod = choose_arch_path(p, FLARE_ARCH_PATH_AUTO, kH200, kFull, kSm90Smem);
+  EXPECT_EQ(autod.path, ArchPath::kSm80);
+  EXPECT_TRUE(contains(autod.fallback, "32 CTAs")) << autod.fallback;
+  EXPECT_EQ(sm80_forward_splits(p, 128, kH200.sm_count, 0) > 1, true) << "the sm80 path splits it";
+  EXPECT_EQ(choose_arch_path(p, FLARE_ARCH_PATH_SM90, kH200, kFull, kSm90Smem).path, ArchPath::kSm90);
+  p.seqlen_q = 129;  // 64 CTAs: the sm90 path again
+  EXPECT_EQ(choose_arch_path(p, FLARE_ARCH_PATH_AUTO, kH200, kFull, kSm90Smem).path, ArchPath::kSm90);
+  p.seqlen_q = 64;
+  p.seqlen_k = kSm90SmallGridMinKeys - 1;  // too few keys to gain from splits
+  EXPECT_EQ(choose_arch_path(p, FLARE_ARCH_PATH_AUTO, kH200, kFull, kSm90Smem).path, ArchPath::kSm90);
+  p.seqlen_k = 16384;
+  p.batch = 2;  // 64 CTAs
+  EXPECT_EQ(choose_arch_path(p, FLARE_ARCH_PATH_AUTO, kH200, kFull, kSm90Smem).path, ArchPath::kSm90);
 }
 
 TEST(CudaHeuristics, ForcedPaths) {
