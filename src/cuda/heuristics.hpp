@@ -99,8 +99,8 @@ inline constexpr int64_t kSm90VarlenMinMeanTokensHd64 = 1024;
 // A dense or varlen forward whose sm90 grid (batch x nheads x 128-row query tiles) fills at most
 // 1 / kSm90SmallGridShare of the SMs over at least kSm90SmallGridMinKeys keys runs faster on the sm80 path,
 // which splits the keys across CTAs (sm80_forward_splits) where the sm90 kernel leaves the SMs idle: one
-// sequence of 32 heads, 64-128 query rows and 16K keys on an H100, 124-141 us against 188-191
-// (bench/results/gpu-packed-2026-12-06-565a0d8.json; docs/tuning-sm90.md). Fewer rows than that mostly go to
+// sequence of 32 heads, 64-128 query rows and 16K keys on an H100, 127-141 us against 187-190
+// (bench/results/gpu-packed-2026-12-06-d6d8112.json; docs/tuning-sm90.md). Fewer rows than that mostly go to
 // the KV-cache kernels first (forward_on_decode_kernels).
 inline constexpr int64_t kSm90SmallGridShare = 4;
 inline constexpr int64_t kSm90SmallGridMinKeys = 4096;

@@ -249,7 +249,7 @@ TEST(CudaHeuristics, ShortVarlenBatchesTakeSm80UnderAuto) {
 }
 
 // A forward whose sm90 grid would fill at most a quarter of the SMs over long keys runs on sm80 under AUTO,
-// where the keys are split across CTAs (measured: bench/results/gpu-packed-2026-12-06-565a0d8.json).
+// where the keys are split across CTAs (measured: bench/results/gpu-packed-2026-12-06-d6d8112.json).
 TEST(CudaHeuristics, SmallSm90GridsOverLongKeysTakeSm80UnderAuto) {
   Problem p = forward_call();
   p.batch = 1;
