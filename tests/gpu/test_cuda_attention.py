@@ -6,8 +6,9 @@ the flash_attn-compatible functions, on fresh random inputs with odd lengths.
   pytest tests/gpu --device cpu             the same cases at small sizes against the CPU backend
 
 The CUDA path covers fp16/bf16, head dims that are multiples of 8 up to 256 (headdim_v may differ), causal,
-windows, softcap, ALiBi, GQA/MQA, varlen (+ seqused_k), LSE and a deterministic backward. The KV-cache pass
-(flash_attn_with_kvcache) has its own module, test_cuda_kvcache.py.
+windows, softcap, ALiBi, GQA/MQA, varlen (+ seqused_k), LSE and a deterministic backward; forwards of few query
+rows (the KV-cache kernels under auto), the paged varlen forward and the sm80 forward's split-KV have their own
+cases here. The KV-cache pass (flash_attn_with_kvcache) has its own module, test_cuda_kvcache.py.
 """
 
 import pytest
