@@ -108,6 +108,8 @@ def main(argv=None):
     ap.add_argument("--warmup-ms", type=float, default=10)
     ap.add_argument("--rep-ms", type=float, default=40)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batches", type=int, nargs="+", help="only the groups of these batch sizes")
+    ap.add_argument("--seqlens-k", type=int, nargs="+", help="only the groups of these key counts")
     args = ap.parse_args(argv)
 
     rows, failed = [], False
@@ -117,6 +119,8 @@ def main(argv=None):
     print(f"{'b':>2} {'h/hk':>6} {'d':>4} {'sk':>6} {'causal':>6} {'sq':>4} | " +
           " | ".join(f"{i:>12}" for i in IMPLS) + "   (us; flare = auto)", flush=True)
     for batch, h, hk, d, seqlen_k, causal in configs(args.quick):
+        if (args.batches and batch not in args.batches) or (args.seqlens_k and seqlen_k not in args.seqlens_k):
+            continue
         torch.manual_seed(args.seed)
         k = torch.randn(batch, seqlen_k, hk, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(batch, seqlen_k, hk, d, device="cuda", dtype=torch.bfloat16)

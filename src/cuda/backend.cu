@@ -129,7 +129,8 @@ struct Plan {
   ArchPath path = ArchPath::kSm80;
   int headdim = 0;                    // sm80: the head-dim tile; sm90: the call's head dim
   SmemClass cls = SmemClass::kLarge;  // sm80 only
-  int splits = 1;                     // sm80 forward only: split-KV (sm80_forward_splits)
+  int splits = 1;                     // sm80 forward only: split-KV (sm80_forward_grid)
+  int forward_rows = 0;               // sm80 forward only: AttnParams::forward_rows (sm80_forward_grid)
   DeviceProps dev;
 };
 
@@ -199,8 +200,11 @@ flare_status plan_call(const Problem& p, Plan* plan) {
     AttnParams a;
     fill_attn(p, &a);
     a.forward_rows = forced_forward_rows(std::getenv("FLARE_CUDA_FWD_ROWS"));
-    k.splits = sm80_forward_splits(p, sm80_forward_rows(k.headdim, a), k.dev.sm_count,
-                                   forced_forward_splits(std::getenv("FLARE_CUDA_FWD_SPLITS")));
+    const Sm80ForwardGrid grid =
+        sm80_forward_grid(p, sm80_forward_rows(k.headdim, a), a.forward_rows, k.dev.sm_count,
+                          forced_forward_splits(std::getenv("FLARE_CUDA_FWD_SPLITS")));
+    k.splits = grid.splits;
+    k.forward_rows = grid.forward_rows;
   }
   *plan = k;
   return FLARE_OK;
@@ -288,7 +292,7 @@ BwdLayout bwd_layout(const Problem& p, const Plan& k) {
 // The sm80 forward of a planned call; with split-KV (k.splits > 1) into the workspace (the caller's, or a
 // stream-ordered allocation), then the KV-cache pass's combine kernel merges the splits into out and lse.
 flare_status forward_sm80(const Problem& p, const Plan& k, AttnParams a, cudaStream_t stream) {
-  a.forward_rows = forced_forward_rows(std::getenv("FLARE_CUDA_FWD_ROWS"));
+  a.forward_rows = k.forward_rows;
   const FwdSplitLayout l = sm80_forward_split_layout(p, k.splits);
   void* ws = nullptr;
   bool owned = false;

@@ -302,6 +302,19 @@ int sm80_forward_splits(const Problem& p, int block_m, int sm_count, int forced)
   return 1;
 }
 
+Sm80ForwardGrid sm80_forward_grid(const Problem& p, int natural_rows, int forced_rows, int sm_count,
+                                  int forced_splits) {
+  Sm80ForwardGrid g;
+  g.rows = forced_rows != 0 ? forced_rows : natural_rows;
+  g.forward_rows = forced_rows;
+  g.splits = sm80_forward_splits(p, g.rows, sm_count, forced_splits);
+  if (g.splits > 1 && g.rows == 128 && forced_rows == 0) {
+    g.rows = g.forward_rows = 64;
+    g.splits = sm80_forward_splits(p, 64, sm_count, forced_splits);
+  }
+  return g;
+}
+
 FwdSplitLayout sm80_forward_split_layout(const Problem& p, int splits) {
   FwdSplitLayout l;
   l.splits = splits;

@@ -175,6 +175,18 @@ int forced_forward_splits(const char* env);
 inline constexpr int64_t kMinKeysPerForwardSplit = 128;
 int sm80_forward_splits(const detail::Problem& p, int block_m, int sm_count, int forced);
 
+// The sm80 forward's query rows per CTA and split count together. A call that splits takes 64-row tiles where
+// its shape would take 128 (the rows of a small grid are few: a 128-row tile of a 64-row query is half empty,
+// and FlashAttention 2's split kernel runs 64-row tiles too), then its splits are counted for them.
+// natural_rows: sm80_forward_rows' choice; forced_rows / forced_splits: the knobs (0 = unset), which win.
+struct Sm80ForwardGrid {
+  int rows = 128;
+  int splits = 1;
+  int forward_rows = 0;  // AttnParams::forward_rows to launch with: forced_rows, 64 when taken here, else 0
+};
+Sm80ForwardGrid sm80_forward_grid(const detail::Problem& p, int natural_rows, int forced_rows, int sm_count,
+                                  int forced_splits);
+
 // The workspace of an sm80 forward with `splits` > 1: the splits' fp32 outputs and lse, rows packed as the
 // combine kernel reads them (AttnParams::part_rows = group x seqlen_q per (sequence, kv head)); all zero
 // for one split.

@@ -1014,6 +1014,35 @@ TEST(CudaForwardSplits, EachCountChangesTheTilesPerSplit) {
   }
 }
 
+TEST(CudaForwardSplits, SplitCallsTake64RowTiles) {
+  Problem p = few_row_forward(64);
+  p.batch = 1;
+  p.seqlen_k = 16384;
+  Sm80ForwardGrid g = sm80_forward_grid(p, 128, 0, 132, 0);
+  EXPECT_EQ(g.rows, 64);
+  EXPECT_EQ(g.forward_rows, 64) << "launched with the 64-row shape";
+  EXPECT_EQ(g.splits, sm80_forward_splits(p, 64, 132, 0));
+  EXPECT_GT(g.splits, 1);
+  // A forced row count wins, and so does a forced split count.
+  g = sm80_forward_grid(p, 128, 128, 132, 0);
+  EXPECT_EQ(g.rows, 128);
+  EXPECT_EQ(g.forward_rows, 128);
+  g = sm80_forward_grid(p, 128, 0, 132, 3);
+  EXPECT_EQ(g.splits, 3);
+  EXPECT_EQ(g.rows, 64);
+  // A grid that fills the GPU keeps its shape and splits nothing.
+  p.batch = 64;
+  g = sm80_forward_grid(p, 128, 0, 132, 0);
+  EXPECT_EQ(g.rows, 128);
+  EXPECT_EQ(g.forward_rows, 0);
+  EXPECT_EQ(g.splits, 1);
+  // 64-row tiles already: unchanged.
+  p.batch = 1;
+  g = sm80_forward_grid(p, 64, 0, 132, 0);
+  EXPECT_EQ(g.rows, 64);
+  EXPECT_EQ(g.forward_rows, 0);
+}
+
 TEST(CudaForwardSplits, KnobAndWorkspace) {
   EXPECT_EQ(forced_forward_splits(nullptr), 0);
   EXPECT_EQ(forced_forward_splits(""), 0);
