@@ -248,7 +248,13 @@ bool forward_on_decode_kernels(const Problem& p, flare_arch_path request, std::s
   const int64_t group = p.nheads / std::max<int64_t>(1, p.nheads_k);
   const int64_t q_tiles = (p.seqlen_q + 127) / 128;
   const double forward_ctas = static_cast<double>(p.batch) * static_cast<double>(p.nheads * q_tiles);
-  const double short_by = std::max(1.0, static_cast<double>(std::max(sm_count, 1)) / forward_ctas);
+  double short_by = std::max(1.0, static_cast<double>(std::max(sm_count, 1)) / forward_ctas);
+  // Where the sm80 forward would split the keys instead (sm90_slower's small grid), the forward fills the GPU
+  // too, and the allowance for its short grid stops at kPackedShortGridCap.
+  if (static_cast<double>(kSm90SmallGridShare) * forward_ctas <= static_cast<double>(std::max(sm_count, 1)) &&
+      p.seqlen_k >= kSm90SmallGridMinKeys) {
+    short_by = std::min(short_by, kPackedShortGridCap);
+  }
   const int64_t cost = decode_tile(p, decode_tiles) > 128 ? kPackedWalkCostWide : kPackedWalkCost;
   return static_cast<double>(chunks * cost) <= static_cast<double>(group * q_tiles) * short_by;
 }
@@ -308,7 +314,7 @@ Sm80ForwardGrid sm80_forward_grid(const Problem& p, int natural_rows, int forced
   g.rows = forced_rows != 0 ? forced_rows : natural_rows;
   g.forward_rows = forced_rows;
   g.splits = sm80_forward_splits(p, g.rows, sm_count, forced_splits);
-  if (g.splits > 1 && g.rows == 128 && forced_rows == 0) {
+  if (g.splits > 1 && g.rows == 128 && forced_rows == 0 && p.seqlen_q <= 64) {
     g.rows = g.forward_rows = 64;
     g.splits = sm80_forward_splits(p, 64, sm_count, forced_splits);
   }

@@ -175,9 +175,11 @@ int forced_forward_splits(const char* env);
 inline constexpr int64_t kMinKeysPerForwardSplit = 128;
 int sm80_forward_splits(const detail::Problem& p, int block_m, int sm_count, int forced);
 
-// The sm80 forward's query rows per CTA and split count together. A call that splits takes 64-row tiles where
-// its shape would take 128 (the rows of a small grid are few: a 128-row tile of a 64-row query is half empty,
-// and FlashAttention 2's split kernel runs 64-row tiles too), then its splits are counted for them.
+// The sm80 forward's query rows per CTA and split count together. A call of at most 64 query rows that splits
+// takes 64-row tiles where its shape would take 128 (a 128-row tile of it is half empty; FlashAttention 2's
+// split kernel runs 64-row tiles too), then its splits are counted for them: one sequence of 32 heads, 64 rows,
+// 16K keys ran 92 us against 127 (bench/results/gpu-packed-2026-12-06-7376f01.json). At 128 rows and more the
+// 128-row shape kept its split count and ran faster (133 against 146-154 us).
 // natural_rows: sm80_forward_rows' choice; forced_rows / forced_splits: the knobs (0 = unset), which win.
 struct Sm80ForwardGrid {
   int rows = 128;
@@ -269,11 +271,15 @@ DecodeLayout decode_layout(const detail::Problem& p, int sm_count);
 //       short  = max(1, sm_count / (batch x nheads x ceil(seqlen_q / 128)))  how far the forward's grid falls
 //                short of one CTA per SM (the KV-cache kernels fill the GPU with splits)
 //     it takes them when chunks == 1, or chunks x cost <= tiles x short, cost 2 (an mma.sync walk against a
-//     wgmma one) or 4 past head dim 128 (two warps per CTA there). On an H100 against the sm90 forward
+//     wgmma one) or 4 past head dim 128 (two warps per CTA there). Where the sm80 forward would split the keys
+//     instead (sm90_slower's small grid, 4096+ keys), short is at most kPackedShortGridCap: measured at batch
+//     1, 32 heads and 16K keys (bench/results/gpu-packed-2026-12-06-7376f01.json), 32 query rows ran 89-113 us
+//     split against 127-135 packed. On an H100 against the sm90 forward
 //     (bench/results/gpu-packed-2026-12-06-e025927.json; docs/tuning-sm90.md) the rule picks the faster family
 //     within 8% on every measured shape; on sm80-family GPUs it is applied as measured there.
 // Neither with dropout (the KV-cache kernels have none) or a head dim past the widest decode tile built.
 inline constexpr int64_t kPackedWalkCost = 2;
+inline constexpr double kPackedShortGridCap = 2.0;
 inline constexpr int64_t kPackedWalkCostWide = 4;
 
 // Why the KV-cache kernels cannot run forward call p, or "" when they can (dropout; no decode tile for its head

@@ -813,19 +813,22 @@ Problem few_row_forward(int64_t seqlen_q) {
 }
 
 TEST(CudaPackedForward, FewRowsTakeTheDecodeKernelsUnderAuto) {
-  // The shapes of bench/results/gpu-packed-2026-12-06-e025927.json (H100, 132 SMs): batch, query heads / kv
-  // heads, head dim, the longest seqlen_q that ran faster on the KV-cache kernels (the next one measured, twice
-  // as long, ran faster on the sm90 forward or within 8% of it).
+  // The shapes of bench/results/gpu-packed-2026-12-06-e025927.json and, for batch 1 over 16K keys, where the
+  // alternative is the sm80 forward with split-KV, -7376f01.json (H100, 132 SMs): batch, query heads / kv heads,
+  // head dim, keys, the longest seqlen_q that ran faster on the KV-cache kernels (the next one measured, twice as
+  // long, ran faster on the forward kernels or within 8% of them).
   struct Measured {
-    int64_t batch, nheads, nheads_k, headdim, fastest_up_to;
+    int64_t batch, nheads, nheads_k, headdim, seqlen_k, fastest_up_to;
   };
   const Measured measured[] = {
-      {1, 32, 8, 128, 32}, {1, 32, 32, 128, 32}, {8, 32, 8, 128, 8}, {8, 32, 32, 128, 16},
-      {8, 32, 8, 64, 8},   {8, 32, 8, 256, 4},
+      {1, 32, 8, 128, 2048, 32},  {1, 32, 32, 128, 2048, 32},  {1, 32, 8, 128, 16384, 16},
+      {1, 32, 32, 128, 16384, 16}, {8, 32, 8, 128, 16384, 8},   {8, 32, 32, 128, 16384, 16},
+      {8, 32, 8, 64, 16384, 8},    {8, 32, 8, 256, 16384, 4},
   };
   for (const Measured& m : measured) {
     for (int64_t sq = 1; sq <= 256; sq *= 2) {
       Problem p = few_row_forward(sq);
+      p.seqlen_k = m.seqlen_k;
       p.batch = m.batch;
       p.nheads = m.nheads;
       p.nheads_k = m.nheads_k;
@@ -842,6 +845,7 @@ TEST(CudaPackedForward, FewRowsTakeTheDecodeKernelsUnderAuto) {
   EXPECT_TRUE(forward_on_decode_kernels(one, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims, 132));
   Problem wide = few_row_forward(64);
   wide.batch = 1;
+  wide.seqlen_k = 2048;  // below the small-grid rule's keys: the forward kernels would not split
   EXPECT_FALSE(forward_on_decode_kernels(wide, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims, 132));
   EXPECT_TRUE(forward_on_decode_kernels(wide, FLARE_ARCH_PATH_AUTO, kDecodeHeadDims, 1000));
   Problem empty = few_row_forward(0);
