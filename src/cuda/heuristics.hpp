@@ -99,8 +99,8 @@ inline constexpr int64_t kSm90VarlenMinMeanTokensHd64 = 1024;
 // A dense or varlen forward whose sm90 grid (batch x nheads x 128-row query tiles) fills at most
 // 1 / kSm90SmallGridShare of the SMs over at least kSm90SmallGridMinKeys keys runs faster on the sm80 path,
 // which splits the keys across CTAs (sm80_forward_splits) where the sm90 kernel leaves the SMs idle: one
-// sequence of 32 heads, 64-128 query rows and 16K keys on an H100, 127-141 us against 187-190
-// (bench/results/gpu-packed-2026-12-06-d6d8112.json; docs/tuning-sm90.md). Fewer rows than that mostly go to
+// sequence of 32 heads, 32-128 query rows and 16K keys on an H100, 88-141 us against 186-190
+// (bench/results/gpu-packed-2026-12-06-f297ed9.json; docs/tuning-sm90.md). Fewer rows than that mostly go to
 // the KV-cache kernels first (forward_on_decode_kernels).
 inline constexpr int64_t kSm90SmallGridShare = 4;
 inline constexpr int64_t kSm90SmallGridMinKeys = 4096;
@@ -178,8 +178,8 @@ int sm80_forward_splits(const detail::Problem& p, int block_m, int sm_count, int
 // The sm80 forward's query rows per CTA and split count together. A call of at most 64 query rows that splits
 // takes 64-row tiles where its shape would take 128 (a 128-row tile of it is half empty; FlashAttention 2's
 // split kernel runs 64-row tiles too), then its splits are counted for them: one sequence of 32 heads, 64 rows,
-// 16K keys ran 92 us against 127 (bench/results/gpu-packed-2026-12-06-7376f01.json). At 128 rows and more the
-// 128-row shape kept its split count and ran faster (133 against 146-154 us).
+// 16K keys ran 92 us against 127; at 128 rows and more the 128-row shape kept its split count and ran faster
+// (133 against 146-154 us; docs/tuning-sm90.md has the runs).
 // natural_rows: sm80_forward_rows' choice; forced_rows / forced_splits: the knobs (0 = unset), which win.
 struct Sm80ForwardGrid {
   int rows = 128;
@@ -273,8 +273,8 @@ DecodeLayout decode_layout(const detail::Problem& p, int sm_count);
 //     it takes them when chunks == 1, or chunks x cost <= tiles x short, cost 2 (an mma.sync walk against a
 //     wgmma one) or 4 past head dim 128 (two warps per CTA there). Where the sm80 forward would split the keys
 //     instead (sm90_slower's small grid, 4096+ keys), short is at most kPackedShortGridCap: measured at batch
-//     1, 32 heads and 16K keys (bench/results/gpu-packed-2026-12-06-7376f01.json), 32 query rows ran 89-113 us
-//     split against 127-135 packed. On an H100 against the sm90 forward
+//     1, 32 heads and 16K keys (bench/results/gpu-packed-2026-12-06-f297ed9.json), 32 query rows ran 88-111 us
+//     split against 126-134 packed. On an H100 against the sm90 forward
 //     (bench/results/gpu-packed-2026-12-06-e025927.json; docs/tuning-sm90.md) the rule picks the faster family
 //     within 8% on every measured shape; on sm80-family GPUs it is applied as measured there.
 // Neither with dropout (the KV-cache kernels have none) or a head dim past the widest decode tile built.

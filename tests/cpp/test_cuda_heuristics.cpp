@@ -249,7 +249,7 @@ TEST(CudaHeuristics, ShortVarlenBatchesTakeSm80UnderAuto) {
 }
 
 // A forward whose sm90 grid would fill at most a quarter of the SMs over long keys runs on sm80 under AUTO,
-// where the keys are split across CTAs (measured: bench/results/gpu-packed-2026-12-06-d6d8112.json).
+// where the keys are split across CTAs (measured: bench/results/gpu-packed-2026-12-06-f297ed9.json).
 TEST(CudaHeuristics, SmallSm90GridsOverLongKeysTakeSm80UnderAuto) {
   Problem p = forward_call();
   p.batch = 1;
@@ -814,7 +814,7 @@ Problem few_row_forward(int64_t seqlen_q) {
 
 TEST(CudaPackedForward, FewRowsTakeTheDecodeKernelsUnderAuto) {
   // The shapes of bench/results/gpu-packed-2026-12-06-e025927.json and, for batch 1 over 16K keys, where the
-  // alternative is the sm80 forward with split-KV, -7376f01.json (H100, 132 SMs): batch, query heads / kv heads,
+  // alternative is the sm80 forward with split-KV, -f297ed9.json (H100, 132 SMs): batch, query heads / kv heads,
   // head dim, keys, the longest seqlen_q that ran faster on the KV-cache kernels (the next one measured, twice as
   // long, ran faster on the forward kernels or within 8% of them).
   struct Measured {
