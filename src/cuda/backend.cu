@@ -1,8 +1,9 @@
 // backend.cu — the host side of the CUDA backend: CUDA-specific checks, the device's properties, the plan of a
 // call (arch path, head-dim tile, shared-memory class: the rules are src/cuda/heuristics.hpp's), Problem ->
-// kernel params, the backward and KV-cache workspaces (caller's, or stream-ordered cudaMallocAsync), and
-// dispatch to the generated units of each arch path (src/cuda/instantiations/dispatch.hpp). Kernels run on the caller's stream;
-// nothing here synchronises the device.
+// kernel params, the workspaces of the backward, the KV-cache pass and a split forward (caller's, or
+// stream-ordered cudaMallocAsync), and dispatch to the generated units of each arch path
+// (src/cuda/instantiations/dispatch.hpp). Kernels run on the caller's stream; nothing here synchronises the
+// device.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -64,6 +65,48 @@ class DeviceGuard {
 flare_status cuda_fail(cudaError_t e, const std::string& what) {
   cudaGetLastError();  // clear a sticky-free error so later calls start clean
   return fail(FLARE_CUDA_ERROR, cat(what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")"));
+}
+
+// A call's scratch, the same for every pass that takes one: exec.workspace, checked against the bytes the call
+// needs (256-byte aligned, since the buffers are laid out from it; at least `bytes`), or where the caller gave
+// none a stream-ordered allocation, freed on the same stream when the call's kernels are queued. `user` ends the
+// alignment message, `query` names the size query, `name` the allocation.
+flare_status check_workspace(const Problem& p, size_t bytes, const char* user, const char* query) {
+  if (p.workspace != nullptr && reinterpret_cast<uintptr_t>(p.workspace) % 256 != 0) {
+    return fail(FLARE_INVALID_ARGUMENT, cat("exec.workspace is not 256-byte aligned: ", user, " (cudaMalloc and "
+                                            "torch allocations are)"));
+  }
+  if (p.workspace != nullptr && p.workspace_size < bytes) {
+    return fail(FLARE_OUT_OF_MEMORY, cat("exec.workspace_size is ", p.workspace_size, " bytes but this call needs ",
+                                         bytes, " bytes (see ", query, ")"));
+  }
+  return FLARE_OK;
+}
+
+struct Workspace {
+  void* data = nullptr;
+  bool owned = false;
+};
+
+// exec.workspace, or where it is null and `bytes` > 0 a stream-ordered allocation of them.
+flare_status take_workspace(const Problem& p, size_t bytes, cudaStream_t stream, const char* name, Workspace* ws) {
+  ws->data = p.workspace;
+  if (ws->data != nullptr || bytes == 0) return FLARE_OK;
+  if (cudaError_t e = cudaMallocAsync(&ws->data, bytes, stream); e != cudaSuccess) {
+    cudaGetLastError();
+    ws->data = nullptr;
+    return fail(FLARE_OUT_OF_MEMORY, cat("cudaMallocAsync of ", name, " (", bytes, " bytes) failed: ",
+                                         cudaGetErrorString(e)));
+  }
+  ws->owned = true;
+  return FLARE_OK;
+}
+
+// Frees an allocated workspace on the stream; the call's own error `e` comes first.
+cudaError_t release_workspace(const Workspace& ws, cudaStream_t stream, cudaError_t e) {
+  if (!ws.owned) return e;
+  const cudaError_t f = cudaFreeAsync(ws.data, stream);
+  return e == cudaSuccess ? f : e;
 }
 
 // What every CUDA kernel needs beyond the C ABI's rules, whichever arch path runs it.
@@ -135,6 +178,7 @@ struct Plan {
 };
 
 void fill_attn(const Problem& p, AttnParams* a);
+KvCacheParams kvcache_params(const Problem& p, const DecodeLayout& l, char* workspace);
 
 // Shared memory of the sm90 forward for the call's (dtype, head dim), 0 where this build has no such unit.
 int sm90_smem_bytes(const Problem& p) {
@@ -294,30 +338,20 @@ BwdLayout bwd_layout(const Problem& p, const Plan& k) {
 flare_status forward_sm80(const Problem& p, const Plan& k, AttnParams a, cudaStream_t stream) {
   a.forward_rows = k.forward_rows;
   const FwdSplitLayout l = sm80_forward_split_layout(p, k.splits);
-  void* ws = nullptr;
-  bool owned = false;
+  Workspace ws;
   if (l.splits > 1) {
-    if (p.workspace != nullptr && reinterpret_cast<uintptr_t>(p.workspace) % 256 != 0) {
-      return fail(FLARE_INVALID_ARGUMENT, "exec.workspace is not 256-byte aligned: the split-KV forward lays its "
-                                          "buffers out from it (cudaMalloc and torch allocations are)");
+    if (flare_status s = check_workspace(p, l.total(), "the split-KV forward lays its buffers out from it",
+                                         "flare_fwd_workspace_size");
+        s != FLARE_OK) {
+      return s;
     }
-    if (p.workspace != nullptr && p.workspace_size < l.total()) {
-      return fail(FLARE_OUT_OF_MEMORY, cat("exec.workspace_size is ", p.workspace_size, " bytes but this call "
-                                           "needs ", l.total(), " bytes (see flare_fwd_workspace_size)"));
-    }
-    ws = p.workspace;
-    if (ws == nullptr) {
-      if (cudaError_t e = cudaMallocAsync(&ws, l.total(), stream); e != cudaSuccess) {
-        cudaGetLastError();
-        return fail(FLARE_OUT_OF_MEMORY, cat("cudaMallocAsync of the split-KV forward's workspace (", l.total(),
-                                             " bytes) failed: ", cudaGetErrorString(e)));
-      }
-      owned = true;
+    if (flare_status s = take_workspace(p, l.total(), stream, "the split-KV forward's workspace", &ws); s != FLARE_OK) {
+      return s;
     }
     a.num_splits = l.splits;
     a.part_rows = static_cast<int>(l.part_rows);
-    a.part_o = static_cast<float*>(ws);
-    a.part_lse = reinterpret_cast<float*>(static_cast<char*>(ws) + l.part_o);
+    a.part_o = static_cast<float*>(ws.data);
+    a.part_lse = reinterpret_cast<float*>(static_cast<char*>(ws.data) + l.part_o);
   }
   const char* step = "the sm80 forward kernel";
   cudaError_t e = sm80_dispatch(p.dtype, k.headdim, cudaErrorInvalidValue, [&]<flare_dtype D, int d>() {
@@ -326,30 +360,12 @@ flare_status forward_sm80(const Problem& p, const Plan& k, AttnParams a, cudaStr
   });
   if (e == cudaSuccess && l.splits > 1) {
     step = "the split-KV combine kernel";
-    KvCacheParams c;
-    c.out = p.out;
-    c.lse = p.lse;
-    c.lse_batch_stride = p.lse_batch_stride;
-    c.lse_head_stride = p.lse_head_stride;
-    c.batch = static_cast<int>(p.batch);
-    c.nheads = static_cast<int>(p.nheads);
-    c.nheads_k = static_cast<int>(p.nheads_k);
-    c.group = static_cast<int>(p.nheads / p.nheads_k);
-    c.headdim = static_cast<int>(p.headdim);
-    c.headdim_v = static_cast<int>(p.headdim_v);
-    c.seqlen_q = static_cast<int>(p.seqlen_q);
-    c.rows = a.part_rows;
-    c.cu_seqlens_q = p.varlen ? p.cu_seqlens_q : nullptr;
-    c.sinks = p.sinks;
-    c.num_splits = a.num_splits;
-    c.part_o = a.part_o;
-    c.part_lse = a.part_lse;
+    // The KV-cache pass's view of the call, its split buffers where a.part_o and a.part_lse put them.
+    const DecodeLayout parts{.splits = l.splits, .part_o = l.part_o, .part_lse = l.part_lse};
+    const KvCacheParams c = kvcache_params(decode_view(p), parts, static_cast<char*>(ws.data));
     e = decode::run_combine(c, p.dtype, stream);
   }
-  if (owned) {
-    const cudaError_t f = cudaFreeAsync(ws, stream);
-    if (e == cudaSuccess) e = f;
-  }
+  e = release_workspace(ws, stream, e);
   if (e != cudaSuccess) return cuda_fail(e, cat("launching ", step));
   return FLARE_OK;
 }
@@ -406,27 +422,16 @@ flare_status backward(const Problem& p) {
   auto stream = static_cast<cudaStream_t>(p.stream);
 
   const BwdLayout l = bwd_layout(p, k);
-  if (p.workspace != nullptr && reinterpret_cast<uintptr_t>(p.workspace) % 256 != 0) {
-    return fail(FLARE_INVALID_ARGUMENT, "exec.workspace is not 256-byte aligned: the CUDA backward lays its fp32 "
-                                        "buffers out from it (cudaMalloc and torch allocations are)");
-  }
-  if (p.workspace != nullptr && p.workspace_size < l.total()) {
-    return fail(FLARE_OUT_OF_MEMORY, cat("exec.workspace_size is ", p.workspace_size, " bytes but this call "
-                                         "needs ", l.total(), " bytes (see flare_bwd_workspace_size)"));
+  if (flare_status s = check_workspace(p, l.total(), "the CUDA backward lays its fp32 buffers out from it",
+                                       "flare_bwd_workspace_size");
+      s != FLARE_OK) {
+    return s;
   }
   if (p.batch == 0 || p.nheads == 0) return FLARE_OK;
 
-  void* ws = p.workspace;
-  bool owned = false;
-  if (ws == nullptr && l.total() > 0) {
-    if (cudaError_t e = cudaMallocAsync(&ws, l.total(), stream); e != cudaSuccess) {
-      cudaGetLastError();
-      return fail(FLARE_OUT_OF_MEMORY, cat("cudaMallocAsync of the backward workspace (", l.total(),
-                                           " bytes) failed: ", cudaGetErrorString(e)));
-    }
-    owned = true;
-  }
-  char* w = static_cast<char*>(ws);
+  Workspace ws;
+  if (flare_status s = take_workspace(p, l.total(), stream, "the backward workspace", &ws); s != FLARE_OK) return s;
+  char* w = static_cast<char*>(ws.data);
   BwdParams b;
   fill_attn(p, &b);
   b.dout = p.dout;
@@ -451,10 +456,7 @@ flare_status backward(const Problem& p) {
     if constexpr (kHasBackward) return sm80::run_backward<D, d>(b, stream, k.cls);
     return cudaErrorInvalidValue;  // unreachable: plan_call refuses a backward this build lacks
   });
-  if (owned) {
-    const cudaError_t f = cudaFreeAsync(ws, stream);
-    if (e == cudaSuccess) e = f;
-  }
+  e = release_workspace(ws, stream, e);
   if (e != cudaSuccess) return cuda_fail(e, "running the backward kernels");
   return FLARE_OK;
 }
@@ -583,28 +585,19 @@ flare_status kvcache(const Problem& p) {
   if (guard.status() != cudaSuccess) return cuda_fail(guard.status(), "cudaSetDevice");
   auto stream = static_cast<cudaStream_t>(p.stream);
   const DecodeLayout l = decode_layout(p, dev.sm_count);
-  if (p.workspace != nullptr && reinterpret_cast<uintptr_t>(p.workspace) % 256 != 0) {
-    return fail(FLARE_INVALID_ARGUMENT, "exec.workspace is not 256-byte aligned: the CUDA KV-cache pass lays its "
-                                        "buffers out from it (cudaMalloc and torch allocations are)");
-  }
-  if (p.workspace != nullptr && p.workspace_size < l.total()) {
-    return fail(FLARE_OUT_OF_MEMORY, cat("exec.workspace_size is ", p.workspace_size, " bytes but this call needs ",
-                                         l.total(), " bytes (see flare_kvcache_workspace_size, or for a forward "
-                                         "flare_fwd_workspace_size)"));
+  if (flare_status s = check_workspace(p, l.total(), "the CUDA KV-cache pass lays its buffers out from it",
+                                       "flare_kvcache_workspace_size, or for a forward flare_fwd_workspace_size");
+      s != FLARE_OK) {
+    return s;
   }
   if (p.batch == 0 || p.nheads_k == 0) return FLARE_OK;
   const bool attend = p.seqlen_q > 0;
-  void* ws = p.workspace;
-  bool owned = false;
-  if (ws == nullptr && attend && l.total() > 0) {
-    if (cudaError_t e = cudaMallocAsync(&ws, l.total(), stream); e != cudaSuccess) {
-      cudaGetLastError();
-      return fail(FLARE_OUT_OF_MEMORY, cat("cudaMallocAsync of the KV-cache workspace (", l.total(),
-                                           " bytes) failed: ", cudaGetErrorString(e)));
-    }
-    owned = true;
+  Workspace ws;
+  if (flare_status s = take_workspace(p, attend ? l.total() : 0, stream, "the KV-cache workspace", &ws);
+      s != FLARE_OK) {
+    return s;
   }
-  const KvCacheParams k = kvcache_params(p, l, static_cast<char*>(ws));
+  const KvCacheParams k = kvcache_params(p, l, static_cast<char*>(ws.data));
   cudaError_t e = cudaSuccess;
   const char* step = "";
   if (p.seqlen_new > 0) {
@@ -626,10 +619,7 @@ flare_status kvcache(const Problem& p) {
     step = "the split-KV combine kernel";
     e = decode::run_combine(k, p.dtype, stream);
   }
-  if (owned) {
-    const cudaError_t f = cudaFreeAsync(ws, stream);
-    if (e == cudaSuccess) e = f;
-  }
+  e = release_workspace(ws, stream, e);
   if (e != cudaSuccess) return cuda_fail(e, cat("launching ", step));
   return FLARE_OK;
 }
