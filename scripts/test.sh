@@ -11,9 +11,10 @@
 #   3. the Python tests (pytest over tests/python: torch ops, flash_attn API, transformers, ring attention over
 #      gloo), with the pinned tests/python/requirements.txt installed by scripts/python-env.sh where missing
 #   3b. the Python wheel of that library: inspected, installed into a fresh venv, smoke-tested (check-wheel.sh)
-#   4. where nvcc is installed: the CUDA sources compiled (one head-dim tile of each pass, sm_80), so a
-#      compile error cannot land, and the library checked for symbols it lacks (a forward-only dispatcher
-#      too), the sm80 dropout draws' column groups checked against the MMA layouts on the CPU; one sm90
+#   4. where nvcc is installed: the CUDA sources compiled (one head-dim tile of each pass and one wide
+#      forward tile, sm_80), so a compile error cannot land, and the library checked for symbols it lacks (a
+#      forward-only dispatcher too), the sm80 dropout draws' column groups checked against the MMA layouts on
+#      the CPU; one sm90
 #      forward unit compiled for sm_90a and its machine code checked, the sm90 layouts checked on the CPU
 #      (scripts/check-sm90.sh); where a GPU is present too, a CUDA build and the GPU suite (tests/gpu)
 set -euo pipefail
@@ -77,13 +78,14 @@ stage "Python wheel: packaged, inspected, installed in a fresh venv, smoke-teste
 scripts/check-wheel.sh --library build/release/src/libflare.so
 
 if command -v nvcc >/dev/null 2>&1; then
-  stage "CUDA sources: compile check (FLARE_HEADDIMS=64, FLARE_ARCHS=80, both passes)"
+  stage "CUDA sources: compile check (FLARE_HEADDIMS=64;512, FLARE_ARCHS=80, both passes)"
   scripts/ensure-cutlass.sh
-  cmake -S . -B build/cuda-check -DCMAKE_BUILD_TYPE=Release -DFLARE_ENABLE_CUDA=ON -DFLARE_HEADDIMS=64 \
+  cmake -S . -B build/cuda-check -DCMAKE_BUILD_TYPE=Release -DFLARE_ENABLE_CUDA=ON "-DFLARE_HEADDIMS=64;512" \
         -DFLARE_ARCHS=80 -DFLARE_BUILD_TESTS=OFF -DFLARE_BUILD_TOOLS=OFF
   cmake --build build/cuda-check -j"$jobs"
-  # The library names no flare symbol it does not define (it would not load), and a forward-only build's
-  # dispatcher names no backward kernel (the forward-only library is built in full on GPU machines only).
+  # The library names no flare symbol it does not define (it would not load: head dim 512's tile has a forward
+  # unit alone, so the dispatcher must name no backward of it), and a forward-only build's dispatcher names no
+  # backward kernel (the forward-only library is built in full on GPU machines only).
   undefined=$(nm -D --undefined-only -C build/cuda-check/src/libflare.so | grep "flare::" || true)
   if [[ -n $undefined ]]; then echo "test.sh: libflare.so needs symbols it lacks:"; echo "$undefined"; exit 1; fi
   cmake -S . -B build/cuda-check-fwd -DCMAKE_BUILD_TYPE=Release -DFLARE_ENABLE_CUDA=ON -DFLARE_HEADDIMS=64 \

@@ -84,17 +84,18 @@ def sdpa_backends():
 
 class FlareAbi:
     """flare through the C ABI, params built once (the timed call is one ctypes call). Layout (b, s, h, d); k
-    and v may have fewer heads (GQA); window (left, right) with -1 for unbounded, softcap 0 for none; sinks an
-    fp32 (h,) tensor or None; dropout_p 0 for none (seed and offset fixed: the same mask every call)."""
+    and v may have fewer heads (GQA), v another head dim; window (left, right) with -1 for unbounded, softcap 0
+    for none; sinks an fp32 (h,) tensor or None; dropout_p 0 for none (seed and offset fixed: the same mask
+    every call). backward=False: the forward alone (no backward params, dout unused)."""
 
     def __init__(self, q, k, v, dout, causal, arch_path="auto", window=(-1, -1), softcap=0.0, sinks=None,
-                 dropout_p=0.0):
+                 dropout_p=0.0, backward=True):
         from flare import _capi
         lib = _capi.library()
         tv = _capi.tensor_view
         b, s, h, _ = q.shape
         self.lib, self.keep = lib, [q, k, v, dout]
-        self.out = torch.empty_like(q)
+        self.out = q.new_empty(b, s, h, v.shape[-1])
         self.lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
         self.dq, self.dk, self.dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         stream = torch.cuda.current_stream().cuda_stream if q.is_cuda else None
@@ -110,6 +111,10 @@ class FlareAbi:
         fp.dropout_p, fp.dropout_seed, fp.dropout_offset = dropout_p, 7, 3
         fp.arch_path = _capi.arch_path_value(arch_path)
         self._workspace(fp, lib.fwd_workspace_size(fp, False), q.device)
+        self.fwd_params, self.bwd_params = fp, None
+        if not backward:
+            self.fwd()
+            return
         bp = lib.bwd_params()
         bp.q, bp.k, bp.v, bp.out, bp.dout, bp.softmax_lse = tv(q), tv(k), tv(v), tv(self.out), tv(dout), tv(self.lse)
         bp.dq, bp.dk, bp.dv = tv(self.dq), tv(self.dk), tv(self.dv)

@@ -131,6 +131,23 @@ int sm80_tile(const Problem& p, std::span<const int> tiles) {
   return 0;
 }
 
+int sm80_call_tile(const Problem& p, const BuiltKernels& built, std::string* why) {
+  const bool bwd = p.pass == Pass::kBackward;
+  const int tile = sm80_tile(p, bwd ? built.sm80_bwd_tiles : built.sm80_tiles);
+  if (tile != 0) return tile;
+  const int64_t width = std::max(p.headdim, p.headdim_v);
+  if (bwd && !built.sm80_bwd_tiles.empty() && sm80_tile(p, built.sm80_tiles) != 0) {
+    *why = cat("head dim ", width, " (headdim ", p.headdim, ", headdim_v ", p.headdim_v, ") has a CUDA forward but "
+               "no CUDA backward: the backward's widest head-dim tile is ", built.sm80_bwd_tiles.back(),
+               " (wider heads' gradients run on the CPU)");
+  } else {
+    *why = cat("head dim ", width, " has no kernel in this build (head-dim tiles built: ",
+               head_dims_string(bwd ? built.sm80_bwd_tiles : built.sm80_tiles),
+               "; configure with FLARE_HEADDIMS to add tiles)");
+  }
+  return 0;
+}
+
 SmemChoice sm80_smem_class(Pass pass, int tile, Sm80SmemBytes bytes, const DeviceProps& dev,
                            bool all_smem_configs) {
   const char* pass_name = pass == Pass::kBackward ? "the backward" : "the forward";
@@ -282,11 +299,12 @@ int forced_forward_splits(const char* env) {
   return *end == '\0' && v >= 1 && v <= decode::kMaxSplits ? static_cast<int>(v) : 0;  // else ignored
 }
 
-int sm80_forward_splits(const Problem& p, int block_m, int sm_count, int forced) {
+int sm80_forward_splits(const Problem& p, int block_m, int sm_count, int forced, int slices) {
   if (p.pass != Pass::kForward || p.dropout_p > 0.0f || p.seqlen_q <= 0 || p.seqlen_k <= 0) return 1;
   const int64_t limit = std::clamp<int64_t>(p.seqlen_k / kMinKeysPerForwardSplit, 1, decode::kMaxSplits);
   if (forced > 0) return static_cast<int>(std::min<int64_t>(forced, limit));
-  const int64_t ctas = p.batch * p.nheads * ((p.seqlen_q + block_m - 1) / std::max(block_m, 1));
+  const int64_t ctas =
+      p.batch * p.nheads * ((p.seqlen_q + block_m - 1) / std::max(block_m, 1)) * std::max(slices, 1);
   const int64_t slots = 2 * int64_t{std::max(sm_count, 1)};
   if (ctas == 0 || 10 * ctas >= 8 * slots) return 1;
   // Efficiency of s splits: the share of the slots its waves of CTAs keep busy.
@@ -309,14 +327,14 @@ int sm80_forward_splits(const Problem& p, int block_m, int sm_count, int forced)
 }
 
 Sm80ForwardGrid sm80_forward_grid(const Problem& p, int natural_rows, int forced_rows, int sm_count,
-                                  int forced_splits) {
+                                  int forced_splits, int slices) {
   Sm80ForwardGrid g;
   g.rows = forced_rows != 0 ? forced_rows : natural_rows;
   g.forward_rows = forced_rows;
-  g.splits = sm80_forward_splits(p, g.rows, sm_count, forced_splits);
+  g.splits = sm80_forward_splits(p, g.rows, sm_count, forced_splits, slices);
   if (g.splits > 1 && g.rows == 128 && forced_rows == 0 && p.seqlen_q <= 64) {
     g.rows = g.forward_rows = 64;
-    g.splits = sm80_forward_splits(p, 64, sm_count, forced_splits);
+    g.splits = sm80_forward_splits(p, 64, sm_count, forced_splits, slices);
   }
   return g;
 }

@@ -39,6 +39,7 @@ struct BuiltKernels {
   std::span<const int> sm80_tiles;     // ascending
   std::span<const int> sm90_headdims;  // ascending; empty when the sm90 units are not built
   bool all_smem_configs = false;       // FLARE_CUDA_ALL_CONFIGS: the sm_90 cubin holds the small sm80 class too
+  std::span<const int> sm80_bwd_tiles;  // ascending: the tiles the backward has (kSm80BwdHeadDims)
 };
 
 // A generated head-dim list cut to the entries `built` keeps, as a constant for BuiltKernels.
@@ -128,6 +129,10 @@ PathChoice choose_arch_path(const detail::Problem& p, flare_arch_path request, c
 // there is none.
 int sm80_tile(const detail::Problem& p, std::span<const int> tiles);
 
+// The tile of a call's pass (the backward's from built.sm80_bwd_tiles), or 0 with `why` saying what is missing:
+// a backward wider than its widest tile whose forward has one, or a head dim no tile of this build holds.
+int sm80_call_tile(const detail::Problem& p, const BuiltKernels& built, std::string* why);
+
 // Shared memory per block of the sm80 kernels of one (pass, dtype, tile) in each class (their entry points).
 struct Sm80SmemBytes {
   int large = 0;
@@ -146,13 +151,30 @@ struct SmemChoice {
 SmemChoice sm80_smem_class(detail::Pass pass, int tile, Sm80SmemBytes bytes, const DeviceProps& dev,
                            bool all_smem_configs);
 
+// ---- wide heads (sm80 forward tiles above 256) ---------------------------------------------------------
+// A forward tile above kSm80WideTile splits the output's columns into slices of sm80_forward_slice(tile), one
+// CTA each (the scores and softmax computed whole in every one): the output accumulator of a whole 512-wide
+// row would not fit the registers. 384 -> 192, 512 and 576 -> 256 (576 is MLA's 576 / 512: two slices).
+// Such tiles hold the forward only, in 64-row tiles (sm80_forward_rows). src/cuda/sm80/configs.cuh compiles
+// the kernels from these.
+inline constexpr int kSm80WideTile = 256;
+constexpr int sm80_forward_slice(int tile) {
+  if (tile <= kSm80WideTile) return tile;
+  return tile / 2 <= kSm80WideTile && tile / 2 % 64 == 0 ? tile / 2 : kSm80WideTile;
+}
+// The CTAs per query tile a call of this tile and headdim_v takes: ceil(headdim_v / slice).
+constexpr int sm80_forward_slices(int tile, int64_t headdim_v) {
+  const int slice = sm80_forward_slice(tile);
+  return headdim_v <= slice ? 1 : static_cast<int>((headdim_v + slice - 1) / slice);
+}
+
 // Query rows per CTA of the sm80 forward: 128 (the long shape, FwdShape::kLong) or 64 (kShort). 64-row tiles win
 // where a 128-row CTA's work is short and, under a causal mask, a large part of it sits on the diagonal; the
 // thresholds per head-dim tile and the timings behind them are in src/cuda/sm80/configs.cuh (forward_shape).
 // p.forward_rows (FLARE_CUDA_FWD_ROWS) forces one. seqlen_q is the longest sequence (varlen: an upper bound).
 inline int sm80_forward_rows(int head_dim_tile, AttnParams const& p) {
   const bool masked = windowed(p);
-  if (p.forward_rows == 64) return 64;
+  if (p.forward_rows == 64 || head_dim_tile > kSm80WideTile) return 64;
   const int short_masked_up_to = head_dim_tile <= 64 && !shaped_scores(p) ? 512 : 1024;
   const int short_up_to = head_dim_tile < 128    ? (masked ? short_masked_up_to : 0)
                           : head_dim_tile == 128 ? 0
@@ -172,8 +194,9 @@ int forced_forward_splits(const char* env);
 // counts that change the key tiles per split, each split at least kMinKeysPerForwardSplit keys, at most
 // decode::kMaxSplits. Dropout calls: 1. `forced` > 0 (forced_forward_splits) replaces the rule, cut to the same
 // limits. seqlen_q / seqlen_k: the longest sequences (varlen: upper bounds).
+// slices: the CTAs per query tile (sm80_forward_slices), which count as CTAs.
 inline constexpr int64_t kMinKeysPerForwardSplit = 128;
-int sm80_forward_splits(const detail::Problem& p, int block_m, int sm_count, int forced);
+int sm80_forward_splits(const detail::Problem& p, int block_m, int sm_count, int forced, int slices = 1);
 
 // The sm80 forward's query rows per CTA and split count together. A call of at most 64 query rows that splits
 // takes 64-row tiles where its shape would take 128 (a 128-row tile of it is half empty; FlashAttention 2's
@@ -187,7 +210,7 @@ struct Sm80ForwardGrid {
   int forward_rows = 0;  // AttnParams::forward_rows to launch with: forced_rows, 64 when taken here, else 0
 };
 Sm80ForwardGrid sm80_forward_grid(const detail::Problem& p, int natural_rows, int forced_rows, int sm_count,
-                                  int forced_splits);
+                                  int forced_splits, int slices = 1);
 
 // The workspace of an sm80 forward with `splits` > 1: the splits' fp32 outputs and lse, rows packed as the
 // combine kernel reads them (AttnParams::part_rows = group x seqlen_q per (sequence, kv head)); all zero

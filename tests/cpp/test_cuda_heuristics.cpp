@@ -29,10 +29,10 @@ constexpr DeviceProps kB200{10, 0, 148, 227 * 1024};
 constexpr DeviceProps kDevices[] = {kA100, kRtx3090, kL40, kH200, kB200};
 
 // The builds a test runs against: everything generated, no sm90 units, and a FLARE_HEADDIMS=128 build.
-const BuiltKernels kFull{kSm80HeadDims, kSm90HeadDims};
-const BuiltKernels kNoSm90{kSm80HeadDims, {}};
+const BuiltKernels kFull{kSm80HeadDims, kSm90HeadDims, false, kSm80BwdHeadDims};
+const BuiltKernels kNoSm90{kSm80HeadDims, {}, false, kSm80BwdHeadDims};
 constexpr int kOnly128[] = {128};
-const BuiltKernels kBuilt128{kOnly128, kOnly128};
+const BuiltKernels kBuilt128{kOnly128, kOnly128, false, kOnly128};
 
 constexpr int kSm90Smem = 200 * 1024;  // what an sm90 unit might take; fits the H200's 227 KB
 
@@ -88,7 +88,12 @@ const Feature kFeatures[] = {
 TEST(CudaHeuristics, GeneratedHeadDimLists) {
   EXPECT_TRUE(std::is_sorted(std::begin(kSm80HeadDims), std::end(kSm80HeadDims)));
   EXPECT_TRUE(std::is_sorted(std::begin(kSm90HeadDims), std::end(kSm90HeadDims)));
-  EXPECT_EQ(kSm80HeadDims[std::size(kSm80HeadDims) - 1], 256) << "the C ABI takes head dims up to 256";
+  EXPECT_TRUE(std::is_sorted(std::begin(kSm80BwdHeadDims), std::end(kSm80BwdHeadDims)));
+  EXPECT_EQ(kSm80HeadDims[std::size(kSm80HeadDims) - 1], 576) << "the C ABI takes head dims up to 576 / 512";
+  EXPECT_EQ(kSm80BwdHeadDims[std::size(kSm80BwdHeadDims) - 1], kSm80WideTile) << "the backward stops at 256";
+  for (int d : kSm80HeadDims) {
+    EXPECT_EQ(has(kSm80BwdHeadDims, d), d <= kSm80WideTile) << "every tile up to 256 has both passes: " << d;
+  }
   // Every call the sm90 path takes has an sm80 kernel too, so forcing sm80 always works.
   for (int d : kSm90HeadDims) {
     EXPECT_TRUE(has(kSm80HeadDims, d)) << d;
@@ -109,8 +114,8 @@ TEST(CudaHeuristics, EveryCombinationMapsToAPathThatExists) {
     for (const BuiltKernels* built : builds) {
       for (Pass pass : {Pass::kForward, Pass::kBackward}) {
         for (flare_dtype dtype : {FLARE_DTYPE_F16, FLARE_DTYPE_BF16}) {
-          for (int64_t headdim = 8; headdim <= 256; headdim += 8) {
-            std::vector<int64_t> headdims_v = {headdim};
+          for (int64_t headdim = 8; headdim <= 576; headdim += 8) {
+            std::vector<int64_t> headdims_v = {std::min<int64_t>(headdim, 512)};
             if (headdim != 128) headdims_v.push_back(128);
             for (int64_t headdim_v : headdims_v) {
               for (const Feature& f : kFeatures) {
@@ -124,6 +129,17 @@ TEST(CudaHeuristics, EveryCombinationMapsToAPathThatExists) {
                                                 << " head dims, " << (pass == Pass::kForward ? "fwd" : "bwd")
                                                 << " hdim " << headdim << "/" << headdim_v << " " << f.name);
                 const bool sm80_exists = sm80_tile(p, built->sm80_tiles) != 0;
+                // The sm80 tile of the call's pass, or a reason naming the head dim.
+                std::string no_tile;
+                const int tile = sm80_call_tile(p, *built, &no_tile);
+                const bool bwd_fits = std::max(headdim, headdim_v) <= built->sm80_bwd_tiles.back();
+                EXPECT_EQ(tile != 0, pass == Pass::kForward ? sm80_exists : sm80_exists && bwd_fits);
+                EXPECT_EQ(tile == 0, !no_tile.empty()) << no_tile;
+                if (tile == 0) {
+                  EXPECT_TRUE(contains(no_tile, "head dim")) << no_tile;
+                  EXPECT_EQ(contains(no_tile, "no CUDA backward"), pass == Pass::kBackward && sm80_exists)
+                      << no_tile;
+                }
                 const PathChoice autod = choose_arch_path(p, FLARE_ARCH_PATH_AUTO, dev, *built, kSm90Smem);
                 EXPECT_TRUE(autod.unsupported.empty()) << autod.unsupported;
                 if (autod.path == ArchPath::kSm90) {
@@ -332,6 +348,57 @@ TEST(CudaHeuristics, Sm80Tile) {
     p.headdim = p.headdim_v = d;
     EXPECT_EQ(sm80_tile(p, kSm80HeadDims), d);
   }
+  // Wide heads: 264-384 -> 384, up to 512 -> 512, MLA's 576 / 512 -> 576; the forward only.
+  p.headdim = p.headdim_v = 264;
+  EXPECT_EQ(sm80_tile(p, kSm80HeadDims), 384);
+  p.headdim = 320;
+  p.headdim_v = 512;
+  EXPECT_EQ(sm80_tile(p, kSm80HeadDims), 512);
+  p.headdim = 576;
+  EXPECT_EQ(sm80_tile(p, kSm80HeadDims), 576);
+  std::string why;
+  EXPECT_EQ(sm80_call_tile(p, kFull, &why), 576);
+  EXPECT_EQ(why, "");
+  p.pass = Pass::kBackward;
+  EXPECT_EQ(sm80_call_tile(p, kFull, &why), 0);
+  EXPECT_TRUE(contains(why, "head dim 576 (headdim 576, headdim_v 512) has a CUDA forward but no CUDA backward"))
+      << why;
+  EXPECT_TRUE(contains(why, "widest head-dim tile is 256")) << why;
+  p.pass = Pass::kForward;
+  p.headdim = 584;
+  EXPECT_EQ(sm80_call_tile(p, kFull, &why), 0);
+  EXPECT_TRUE(contains(why, "head dim 584 has no kernel in this build")) << why;
+}
+
+TEST(CudaHeuristics, WideTilesSliceTheOutput) {
+  for (int d : kSm80HeadDims) {
+    if (d <= kSm80WideTile) {
+      EXPECT_EQ(sm80_forward_slice(d), d);
+      EXPECT_EQ(sm80_forward_slices(d, d), 1);
+    }
+  }
+  EXPECT_EQ(sm80_forward_slice(384), 192);
+  EXPECT_EQ(sm80_forward_slice(512), 256);
+  EXPECT_EQ(sm80_forward_slice(576), 256);
+  EXPECT_EQ(sm80_forward_slices(384, 384), 2);
+  EXPECT_EQ(sm80_forward_slices(384, 320), 2);
+  EXPECT_EQ(sm80_forward_slices(384, 192), 1);
+  EXPECT_EQ(sm80_forward_slices(512, 512), 2);
+  EXPECT_EQ(sm80_forward_slices(512, 264), 2);
+  EXPECT_EQ(sm80_forward_slices(512, 64), 1);
+  EXPECT_EQ(sm80_forward_slices(576, 512), 2) << "MLA: two slices of 256";
+  EXPECT_EQ(sm80_forward_slices(576, 576), 3);
+  // Slices are CTAs: 2 sequences x 16 heads x 2 query tiles x 2 slices = 128 CTAs, under 80% of 2 x 132
+  // slots, split; the same call on 64 SMs (128 slots) fills them and keeps one split.
+  Problem p = forward_call(512);
+  p.batch = 2;
+  p.nheads = p.nheads_k = 16;
+  p.seqlen_q = 128;
+  p.seqlen_k = 8192;
+  EXPECT_GT(sm80_forward_splits(p, 64, 132, 0, 2), 1);
+  EXPECT_EQ(sm80_forward_splits(p, 64, 64, 0, 2), 1);
+  EXPECT_GT(sm80_forward_splits(p, 64, 64, 0, 1), 1) << "without its slices the grid would look half empty";
+  EXPECT_EQ(sm80_forward_grid(p, 64, 0, 64, 0, 2).splits, 1);
 }
 
 TEST(CudaHeuristics, Sm80SharedMemoryClass) {
@@ -390,6 +457,11 @@ AttnParams attn(int seqlen_q, bool masked, bool shaped, int forward_rows = 0) {
 }
 
 TEST(CudaHeuristics, Sm80ForwardRows) {
+  // Wide tiles: always 64 rows (their one kernel's), whatever FLARE_CUDA_FWD_ROWS says.
+  for (int tile : {384, 512, 576}) {
+    EXPECT_EQ(sm80_forward_rows(tile, attn(8192, false, false)), 64);
+    EXPECT_EQ(sm80_forward_rows(tile, attn(8192, true, true, 128)), 64);
+  }
   // Head dims <= 64: masked calls up to 512 (1024 with softcap or ALiBi) take 64 rows; unmasked ones never.
   for (int tile : {32, 64}) {
     EXPECT_EQ(sm80_forward_rows(tile, attn(512, true, false)), 64);

@@ -61,8 +61,19 @@ void check_head_dim() {
   check<typename Bwd::MmaSdP, Bwd::kBlockM, Bwd::kBlockN>("backward", d, Bwd::kDropoutColumnsPerDraw);
 }
 
+// Wide heads (tiles above 256): the forward alone, its one kernel (64 x 32 score tiles) carrying dropout.
+template <class E, int d, SmemClass c>
+void check_wide_head_dim() {
+  using Fwd = typename sm80::FwdConfigOf<E, d, sm80::FwdShape::kShort, c>::type;
+  static_assert(Fwd::kDropout && Fwd::kSlicedV, "the wide forward carries dropout and slices its output");
+  check<typename Fwd::TiledMma, Fwd::kBlockM, Fwd::kBlockN>("forward", d, Fwd::kDropoutColumnsPerDraw);
+}
+
 template <class E, SmemClass c>
 void check_class() {
+  check_wide_head_dim<E, 384, c>();
+  check_wide_head_dim<E, 512, c>();
+  check_wide_head_dim<E, 576, c>();
   check_head_dim<E, 32, c>();
   check_head_dim<E, 64, c>();
   check_head_dim<E, 96, c>();

@@ -5,7 +5,8 @@ the flash_attn-compatible functions, on fresh random inputs with odd lengths.
   pytest tests/gpu                          on the GPU machine (skips when no CUDA device is present)
   pytest tests/gpu --device cpu             the same cases at small sizes against the CPU backend
 
-The CUDA path covers fp16/bf16, head dims that are multiples of 8 up to 256 (headdim_v may differ), causal,
+The CUDA path covers fp16/bf16, head dims that are multiples of 8 up to 576 / 512 (headdim_v may differ; above
+256 the forward alone), causal,
 windows, softcap, ALiBi, GQA/MQA, varlen (+ seqused_k), LSE and a deterministic backward; forwards of few query
 rows (the KV-cache kernels under auto), the paged varlen forward and the sm80 forward's split-KV have their own
 cases here. The KV-cache pass (flash_attn_with_kvcache) has its own module, test_cuda_kvcache.py.
@@ -104,6 +105,58 @@ def test_headdim_v(dtype, seqlens, dims, causal):
     sq, sk = seqlens
     check_case(Case(dtype=dtype, batch=2, seqlen_q=sq, seqlen_k=sk, nheads=6, nheads_k=2, headdim=dims[0],
                     headdim_v=dims[1], causal=causal))
+
+
+# ---- wide heads: head dims above 256 (tiles 384, 512 and 576, the forward alone) -----------------------------
+# Their kernel splits the output's columns into slices, one CTA each (heuristics.hpp: sm80_forward_slice), so
+# the pairs below put headdim_v on both sides of a slice edge and the keys' head dim above and below it. MLA's
+# 576 / 512 among them. The backward of these dims is refused (test_cuda_runtime.py).
+
+if SMALL:
+    WIDE_DIMS = [(264, 264), (512, 512), (576, 512)]
+    WIDE_SEQLENS = [(17, 17), (13, 29)]
+else:
+    WIDE_DIMS = [(264, 264), (320, 320), (384, 384), (448, 448), (512, 512), (576, 512), (512, 320), (320, 512),
+                 (384, 136), (136, 384), (576, 64)]
+    WIDE_SEQLENS = [(1, 1), (113, 203), (1023, 1024), (203, 113)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dims", WIDE_DIMS, ids=_id)
+@pytest.mark.parametrize("seqlens", WIDE_SEQLENS, ids=_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_wide_heads(dtype, seqlens, dims, causal):
+    sq, sk = seqlens
+    nheads, nheads_k = heads_cycle(WIDE_DIMS.index(dims) + WIDE_SEQLENS.index(seqlens))
+    check_case(Case(dtype=dtype, batch=_batch_for(sq, sk), seqlen_q=sq, seqlen_k=sk, nheads=nheads,
+                    nheads_k=nheads_k, headdim=dims[0], headdim_v=dims[1], causal=causal), backward=False)
+
+
+WIDE_FEATURES = {
+    "window-softcap-alibi": dict(batch=2, seqlen_q=177, seqlen_k=900, nheads=4, nheads_k=2, window=(300, 20),
+                                 softcap=20.0, alibi="batch"),
+    "sinks-mqa-causal": dict(batch=2, seqlen_q=65, seqlen_k=500, nheads=4, nheads_k=1, sinks=True, causal=True),
+    "sq>sk-causal": dict(batch=1, seqlen_q=300, seqlen_k=200, nheads=2, nheads_k=2, causal=True),
+    "varlen-seqused": dict(seqlens_q=[1, 64, 0, 129], seqlens_k=[300, 64, 5, 700], seqused_k=[250, 64, 0, 699],
+                           nheads=4, nheads_k=2, causal=True),
+    "decode-gqa": dict(batch=3, seqlen_q=1, seqlen_k=2000, nheads=8, nheads_k=2),
+}
+if SMALL:
+    WIDE_FEATURES = {name: {**c, **({"seqlen_k": min(c["seqlen_k"], 60)} if "seqlen_k" in c else {})}
+                     for name, c in WIDE_FEATURES.items() if "varlen" not in name}
+WIDE_FEATURE_DIMS = [(512, 512), (576, 512), (384, 320)] if not SMALL else [(512, 512)]
+
+
+@pytest.mark.parametrize("splits", ["rule", "3"])
+@pytest.mark.parametrize("name", list(WIDE_FEATURES))
+@pytest.mark.parametrize("dims", WIDE_FEATURE_DIMS, ids=_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_wide_head_features(monkeypatch, dtype, dims, name, splits):
+    # "rule": the split-KV rule's count (the long decode-like rows split); "3": three splits forced, each merged
+    # by the combine kernel across the slices' columns.
+    if splits != "rule":
+        monkeypatch.setenv("FLARE_CUDA_FWD_SPLITS", splits)
+    check_case(Case(dtype=dtype, headdim=dims[0], headdim_v=dims[1], **WIDE_FEATURES[name]), backward=False)
 
 
 # ---- both forward tile shapes at every head dim, whatever the lengths would pick -----------------------------
@@ -351,6 +404,27 @@ def test_dropout_mask_is_the_cpu_mask(dtype):
     b, sq, sk, h, p = 2, 37, 70, 3, 0.3
     dv = 72  # sk columns of the identity, zero-padded to a head dim CUDA takes (a multiple of 8)
     seed, offset = -0x21524110DEADBEEF, 2**33 + 7
+    q = torch.randn(b, sq, h, 64, device=DEVICE).to(dtype)
+    k = torch.randn(b, sk, 1, 64, device=DEVICE).to(dtype)
+    eye = torch.zeros(b, sk, 1, dv, device=DEVICE, dtype=dtype)
+    eye[:, :, 0, :sk] = torch.eye(sk, device=DEVICE).to(dtype)
+    if sm90_forced():
+        expect_sm90_refusal(lambda: _dropout_fwd(q, k, eye, False, p, seed, offset), "[dropout]")
+        return
+    out, _ = _dropout_fwd(q, k, eye, False, p, seed, offset)
+    kept = (out[..., :sk] != 0).permute(0, 2, 1, 3).cpu()
+    for i in range(b):
+        assert torch.equal(kept[i], ops.dropout_mask(p, seed, offset, i, h, sq, sk))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+def test_dropout_mask_of_wide_heads(dtype):
+    # As above with headdim_v 320 (tile 384, two output slices of 192 columns): each slice's CTA draws the mask
+    # of its own columns, and both must be the CPU backend's.
+    from flare import ops
+    b, sq, sk, h, p = 2, 37, 300 if not SMALL else 30, 2, 0.25
+    dv = 320 if not SMALL else 32
+    seed, offset = 987654321, 5
     q = torch.randn(b, sq, h, 64, device=DEVICE).to(dtype)
     k = torch.randn(b, sk, 1, 64, device=DEVICE).to(dtype)
     eye = torch.zeros(b, sk, 1, dv, device=DEVICE, dtype=dtype)

@@ -19,6 +19,24 @@ constexpr bool sm80_unit_built(int d) {
     case 192: return FLARE_HAS_HEADDIM_192;
     case 224: return FLARE_HAS_HEADDIM_224;
     case 256: return FLARE_HAS_HEADDIM_256;
+    case 384: return FLARE_HAS_HEADDIM_384;
+    case 512: return FLARE_HAS_HEADDIM_512;
+    case 576: return FLARE_HAS_HEADDIM_576;
+  }
+  return false;
+}
+
+// Whether this build compiled the sm80 bwd unit of head dim tile d.
+constexpr bool sm80_bwd_unit_built(int d) {
+  switch (d) {
+    case 32: return sm80_unit_built(32);
+    case 64: return sm80_unit_built(64);
+    case 96: return sm80_unit_built(96);
+    case 128: return sm80_unit_built(128);
+    case 160: return sm80_unit_built(160);
+    case 192: return sm80_unit_built(192);
+    case 224: return sm80_unit_built(224);
+    case 256: return sm80_unit_built(256);
   }
   return false;
 }
@@ -80,6 +98,15 @@ R sm80_dispatch(flare_dtype dtype, int d, R fallback, F&& f) {
       break;
     case 256:
       if constexpr (sm80_unit_built(256)) return by_dtype<256>(dtype, f);
+      break;
+    case 384:
+      if constexpr (sm80_unit_built(384)) return by_dtype<384>(dtype, f);
+      break;
+    case 512:
+      if constexpr (sm80_unit_built(512)) return by_dtype<512>(dtype, f);
+      break;
+    case 576:
+      if constexpr (sm80_unit_built(576)) return by_dtype<576>(dtype, f);
       break;
   }
   return fallback;

@@ -3,12 +3,12 @@
 # FLARE_CUDA_PASSES and FLARE_SM90.
 
 # Every head dim of any arch, ascending (FLARE_HEADDIMS' default and the values it may take).
-set(FLARE_CUDA_HEADDIMS 32 64 96 128 160 192 224 256)
+set(FLARE_CUDA_HEADDIMS 32 64 96 128 160 192 224 256 384 512 576)
 # Per arch path: its passes and head dims; FLARE_<ARCH>_<PASS>_HDIM<d> lists that unit's sources, one per
 # dtype, relative to src/.
 set(FLARE_CUDA_ARCH_PATHS sm80 sm90 decode)
 set(FLARE_SM80_PASSES fwd bwd)
-set(FLARE_SM80_HEADDIMS 32 64 96 128 160 192 224 256)
+set(FLARE_SM80_HEADDIMS 32 64 96 128 160 192 224 256 384 512 576)
 set(FLARE_SM80_FWD_HDIM32 cuda/instantiations/sm80_fwd_fp16_hdim32.cu cuda/instantiations/sm80_fwd_bf16_hdim32.cu)
 set(FLARE_SM80_FWD_HDIM64 cuda/instantiations/sm80_fwd_fp16_hdim64.cu cuda/instantiations/sm80_fwd_bf16_hdim64.cu)
 set(FLARE_SM80_FWD_HDIM96 cuda/instantiations/sm80_fwd_fp16_hdim96.cu cuda/instantiations/sm80_fwd_bf16_hdim96.cu)
@@ -17,6 +17,9 @@ set(FLARE_SM80_FWD_HDIM160 cuda/instantiations/sm80_fwd_fp16_hdim160.cu cuda/ins
 set(FLARE_SM80_FWD_HDIM192 cuda/instantiations/sm80_fwd_fp16_hdim192.cu cuda/instantiations/sm80_fwd_bf16_hdim192.cu)
 set(FLARE_SM80_FWD_HDIM224 cuda/instantiations/sm80_fwd_fp16_hdim224.cu cuda/instantiations/sm80_fwd_bf16_hdim224.cu)
 set(FLARE_SM80_FWD_HDIM256 cuda/instantiations/sm80_fwd_fp16_hdim256.cu cuda/instantiations/sm80_fwd_bf16_hdim256.cu)
+set(FLARE_SM80_FWD_HDIM384 cuda/instantiations/sm80_fwd_fp16_hdim384.cu cuda/instantiations/sm80_fwd_bf16_hdim384.cu)
+set(FLARE_SM80_FWD_HDIM512 cuda/instantiations/sm80_fwd_fp16_hdim512.cu cuda/instantiations/sm80_fwd_bf16_hdim512.cu)
+set(FLARE_SM80_FWD_HDIM576 cuda/instantiations/sm80_fwd_fp16_hdim576.cu cuda/instantiations/sm80_fwd_bf16_hdim576.cu)
 set(FLARE_SM80_BWD_HDIM32 cuda/instantiations/sm80_bwd_fp16_hdim32.cu cuda/instantiations/sm80_bwd_bf16_hdim32.cu)
 set(FLARE_SM80_BWD_HDIM64 cuda/instantiations/sm80_bwd_fp16_hdim64.cu cuda/instantiations/sm80_bwd_bf16_hdim64.cu)
 set(FLARE_SM80_BWD_HDIM96 cuda/instantiations/sm80_bwd_fp16_hdim96.cu cuda/instantiations/sm80_bwd_bf16_hdim96.cu)

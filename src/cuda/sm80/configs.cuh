@@ -34,7 +34,7 @@ namespace flare::cuda::sm80 {
 // the long shape where it fits (head dims <= 192) and takes the short one beyond.
 enum class FwdShape { kLong, kShort };
 
-template <class Element, int kHeadDim, FwdShape kShape, SmemClass kClass>
+template <class Element, int kHeadDim, FwdShape kShape, SmemClass kClass, bool kWide = (kHeadDim > kSm80WideTile)>
 struct FwdConfigOf {
   static constexpr int kBlockN = kHeadDim == 128 ? 32 : 64;
   static constexpr int kWarps = kHeadDim <= 128 ? 4 : 8;
@@ -72,6 +72,22 @@ struct FwdConfigOf {
   using PlainFewKeys =
       std::conditional_t<kHeadDim == 256 && std::is_same_v<type, Short>,
                          FwdTraits<Element, kHeadDim, 64, 64, 4, true, true, /*kSkipSettledRescale=*/false>, void>;
+};
+
+// Wide heads (tiles above 256: 384, 512, 576; heuristics.hpp has the slice rule): one kernel for every call and
+// both shapes and classes, the score transform and dropout in: 64 query rows (4 warps of 16), 32-key tiles, the
+// output in column slices of sm80_forward_slice(tile), one CTA each. A slice's accumulator is head dim 256's
+// short shape's (128 registers per thread at 256 columns); 32-key tiles keep shared memory at 84 / 112 / 124 KB
+// (Q whole, a K tile, a V slice tile), two CTAs per SM on sm_90's 227 KB, and 384's within the small class.
+// No twin for whole head dims (kWholeDimsKernel): one kernel per unit keeps the build short.
+template <class Element, int kHeadDim, FwdShape kShape, SmemClass kClass>
+struct FwdConfigOf<Element, kHeadDim, kShape, kClass, true> {
+  using type = FwdTraits<Element, kHeadDim, 64, 32, 4, /*kMaskLoopApart=*/false, /*kPlain=*/false,
+                         /*kSkipSettledRescale=*/true, /*kEarlyCopies=*/false, sm80_forward_slice(kHeadDim),
+                         /*kWholeDimsKernel=*/false>;
+  static constexpr bool kPlainMaskedOnly = false;
+  using Plain = void;
+  using PlainFewKeys = void;
 };
 
 // Whether a call's rows see few enough key tiles for FwdConfigOf::PlainFewKeys (seqlen_k: the longest key

@@ -35,22 +35,39 @@ __device__ __forceinline__ void split_key_tiles(int split, int splits, int& n_fi
   n_last = min(lo + per, n_last);
 }
 
+// The output-column slices of a call (T::kSlicedV; else 1): ceil(headdim_v / T::kHeadDimV).
+template <class T>
+__host__ __device__ __forceinline__ int v_slices(AttnParams const& p) {
+  if constexpr (T::kSlicedV) return (p.headdim_v + T::kHeadDimV - 1) / T::kHeadDimV;
+  return 1;
+}
+
+// One CTA of the forward (forward_kernel).
 // T::kPlain: compiled with the mask alone, for calls without softcap and ALiBi; else with the score transform.
 // T::kDropout: compiled with dropout.
+// T::kSlicedV: the CTA computes the output columns of one slice, [slice * kHeadDimV, +kHeadDimV).
 // kWholeDims: for calls whose head dims fill the tile (T::kWholeDimsKernel), K and V tiles are copied without
 // column predicates; else whether they need them is a run-time test.
 template <class T, bool kWholeDims>
-__global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_constant__ AttnParams p) {
+__device__ __forceinline__ void forward_tile(AttnParams const& p) {
   using Element = typename T::Element;
   constexpr bool kShaped = !T::kPlain;
   constexpr int kBlockM = T::kBlockM;
   constexpr int kBlockN = T::kBlockN;
   constexpr int kHeadDim = T::kHeadDim;
+  constexpr int kHeadDimV = T::kHeadDimV;
 
-  // Heavy (late, for causal) query tiles first; with split-KV, the splits of a tile side by side.
+  // Heavy (late, for causal) query tiles first; with split-KV, the splits of a tile side by side, and with
+  // output slices, the slices of a split.
   const int splits = p.num_splits;
-  const int split = static_cast<int>(blockIdx.x) % splits;
-  const int m_block = static_cast<int>(gridDim.x) / splits - 1 - static_cast<int>(blockIdx.x) / splits;
+  const int slices = v_slices<T>(p);
+  const int tile_index = static_cast<int>(blockIdx.x) / slices;
+  const int slice = static_cast<int>(blockIdx.x) % slices;
+  const int split = tile_index % splits;
+  const int m_block = static_cast<int>(gridDim.x) / (splits * slices) - 1 - tile_index / splits;
+  // The output columns of this CTA: [v_col0, v_col0 + v_cols) of headdim_v.
+  const int v_col0 = slice * kHeadDimV;
+  const int v_cols = p.headdim_v - v_col0;
   const int h = blockIdx.y;
   const int b = blockIdx.z;
   const int tid = threadIdx.x;
@@ -80,17 +97,20 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
   };
   Tensor gQ = local_tile(gmem(p.q, seq.q_offset(p.q, b, h), seq.len_q), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                          make_coord(m_block, 0));
-  Tensor gO = local_tile(gmem(p.out, seq.q_offset(p.out, b, h), seq.len_q),
-                         Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+  const auto gmem_v = [](Operand const& t, int64_t offset, int rows) {
+    return gmem_rows<Element, kHeadDimV>(t, offset, rows);
+  };
+  Tensor gO = local_tile(gmem_v(p.out, seq.q_offset(p.out, b, h) + v_col0, seq.len_q),
+                         Shape<Int<kBlockM>, Int<kHeadDimV>>{}, make_coord(m_block, 0));
   Tensor gK = local_tile(gmem(p.k, seq.k_offset(p.k, b, hk), seq.len_k), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                          make_coord(_, 0));
-  Tensor gV = local_tile(gmem(p.v, seq.k_offset(p.v, b, hk), seq.len_k), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                         make_coord(_, 0));
+  Tensor gV = local_tile(gmem_v(p.v, seq.k_offset(p.v, b, hk) + v_col0, seq.len_k),
+                         Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(_, 0));
 
   extern __shared__ char smem[];
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename T::SmemLayoutQ{});
   Tensor sK = make_tensor(sQ.data() + size(sQ), typename T::SmemLayoutKV{});
-  Tensor sV = make_tensor(sK.data() + size(sK), typename T::SmemLayoutKV{});
+  Tensor sV = make_tensor(sK.data() + size(sK), typename T::SmemLayoutV{});
   Tensor sVt = make_tensor(sV.data(), typename T::SmemLayoutVt{});
 
   // ---- global -> shared (cp.async, 16 bytes per thread and step)
@@ -100,13 +120,16 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
   Tensor tQsQ = gthr.partition_D(sQ);
   Tensor tKgK = gthr.partition_S(gK);
   Tensor tKsK = gthr.partition_D(sK);
-  Tensor tVgV = gthr.partition_S(gV);
-  Tensor tVsV = gthr.partition_D(sV);
+  typename T::GmemLoadV gload_v;  // gload's type unless V is sliced narrower than the chunk of Q and K
+  auto gthr_v = gload_v.get_thread_slice(tid);
+  Tensor tVgV = gthr_v.partition_S(gV);
+  Tensor tVsV = gthr_v.partition_D(sV);
   Tensor tQcQ = gthr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tKcK = gthr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  Tensor tVcV = gthr_v.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDimV>>{}));
   const int q_rows = seq.len_q - m0;
   const bool k_dims_whole = kWholeDims || p.headdim == kHeadDim;
-  const bool v_dims_whole = kWholeDims || p.headdim_v == kHeadDim;
+  const bool v_dims_whole = kWholeDims || v_cols >= kHeadDimV;
 
   // ---- prologue: Q and the first (last) key tile; with T::kFirstVEarly its V too, in a copy group of its own
   // (the first visit then waits for Q and K alone). Issued here (T::kEarlyCopies) or after the set-up below.
@@ -117,8 +140,7 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
       copy_tile(gload, tKgK(_, _, _, n_last - 1), tKsK, tKcK, rows, p.headdim, k_dims_whole && rows >= kBlockN);
       if constexpr (T::kFirstVEarly) {
         cp_async_fence();
-        copy_tile(gload, tVgV(_, _, _, n_last - 1), tVsV, tKcK, rows, p.headdim_v,
-                  v_dims_whole && rows >= kBlockN);
+        copy_tile(gload_v, tVgV(_, _, _, n_last - 1), tVsV, tVcV, rows, v_cols, v_dims_whole && rows >= kBlockN);
       }
     }
     cp_async_fence();
@@ -134,7 +156,7 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
   auto thr_mma = mma.get_thread_slice(tid);
   Tensor tSrQ = thr_mma.partition_fragment_A(shape_only<Element>(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor tSrK = thr_mma.partition_fragment_B(shape_only<Element>(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  Tensor tOrVt = thr_mma.partition_fragment_B(shape_only<Element>(Shape<Int<kHeadDim>, Int<kBlockN>>{}));
+  Tensor tOrVt = thr_mma.partition_fragment_B(shape_only<Element>(Shape<Int<kHeadDimV>, Int<kBlockN>>{}));
 
   auto copy_q = make_tiled_copy_A(typename T::SmemCopyAtom{}, mma);
   auto thr_copy_q = copy_q.get_thread_slice(tid);
@@ -146,7 +168,7 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
   auto thr_copy_v = copy_v.get_thread_slice(tid);
   Tensor tOsVt = thr_copy_v.partition_S(sVt);
 
-  Tensor acc_o = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  Tensor acc_o = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kHeadDimV>>{});
   clear(acc_o);
   Tensor o_rc = rowcol(acc_o);
   // Tile-local (row, key) of each score this thread holds: base + constant offsets (AccCoords).
@@ -186,7 +208,7 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
     }
     __syncthreads();  // K[n] has landed; every warp is done with V[n + 1]
     if (!first) {
-      copy_tile(gload, tVgV(_, _, _, n), tVsV, tKcK, seq.len_k - n0, p.headdim_v,
+      copy_tile(gload_v, tVgV(_, _, _, n), tVsV, tVcV, seq.len_k - n0, v_cols,
                 v_dims_whole && seq.len_k - n0 >= kBlockN);
     }
     cp_async_fence();
@@ -251,7 +273,7 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
   // ---- split-KV epilogue: the rows' normalised fp32 output and lse (no sink: the combine folds it) into the
   // workspace, straight from the registers; an empty split writes lse -inf, which the combine skips.
   if (splits > 1) {
-    using OutCoords = AccCoords<typename T::TiledMma, Shape<Int<kBlockM>, Int<kHeadDim>>>;
+    using OutCoords = AccCoords<typename T::TiledMma, Shape<Int<kBlockM>, Int<kHeadDimV>>>;
     const OutCoords out_coords(mma, tid);
     Tensor out_s = OutCoords::offsets();
     Tensor out_rc = make_tensor(out_s.data(), rowcol_layout(out_s.layout()));
@@ -266,9 +288,9 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
       CUTE_UNROLL
       for (int c = 0; c < size<1>(o_rc); ++c) {
         const int col = out_coords.col_base + get<1>(out_rc(r, c));
-        if (col < p.headdim_v) p.part_o[part * p.headdim_v + col] = o_rc(r, c) * inv;
+        if (col < v_cols) p.part_o[part * p.headdim_v + v_col0 + col] = o_rc(r, c) * inv;
       }
-      if (out_coords.col_base + get<1>(out_rc(r, 0)) == 0) {
+      if (slice == 0 && out_coords.col_base + get<1>(out_rc(r, 0)) == 0) {
         p.part_lse[part] = sum > 0.f ? (row_max[r] * f + __log2f(sum)) * kLn2 : -INFINITY;
       }
     }
@@ -288,10 +310,12 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
     CUTE_UNROLL
     for (int c = 0; c < size<1>(o_rc); ++c) o_rc(r, c) *= inv;
     const int row = m0 + coords.row_base + get<0>(coord_rc(r, 0));
-    if (lse != nullptr && coords.col_base + get<1>(coord_rc(r, 0)) == 0 && row < seq.len_q) lse[row] = row_end.lse;
+    if (lse != nullptr && slice == 0 && coords.col_base + get<1>(coord_rc(r, 0)) == 0 && row < seq.len_q) {
+      lse[row] = row_end.lse;
+    }
   }
   Tensor o_elem = convert_fragment<Element>(acc_o);
-  Tensor sO = make_tensor(sQ.data(), typename T::SmemLayoutQ{});
+  Tensor sO = make_tensor(sQ.data(), typename T::SmemLayoutO{});
   auto copy_o = make_tiled_copy_C(typename T::SmemCopyAtomO{}, mma);
   auto thr_copy_o = copy_o.get_thread_slice(tid);
   // Nothing may still be landing in shared memory (with no key tile to visit, the loop never waited for
@@ -302,13 +326,22 @@ __global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_const
   __syncthreads();
   typename T::GmemStore gstore;
   auto sthr = gstore.get_thread_slice(tid);
-  copy_rows<false>(gstore, sthr.partition_S(sO), sthr.partition_D(gO), tQcQ, q_rows, p.headdim_v);
+  Tensor tOcO = sthr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
+  copy_rows<false>(gstore, sthr.partition_S(sO), sthr.partition_D(gO), tOcO, q_rows, v_cols);
+}
+
+// The forward kernel: one CTA per (query tile, split, output slice, head, batch), heavy query tiles first.
+// A configuration over the small class's shared memory (wide heads) has no body in the cubins of sm_86 / sm_89,
+// which cannot launch it (body_here): that keeps their compile out of the build.
+template <class T, bool kWholeDims>
+__global__ void __launch_bounds__(T::kThreads) forward_kernel(const __grid_constant__ AttnParams p) {
+  if constexpr (T::kSmemBytes <= kSmallSmemBytes || body_here<SmemClass::kLarge>()) forward_tile<T, kWholeDims>(p);
 }
 
 // Whether a call's head dims fill T's tile (then T::kWholeDimsKernel says which kernel runs it).
 template <class T>
 bool whole_dims(AttnParams const& p) {
-  return p.headdim == T::kHeadDim && p.headdim_v == T::kHeadDim;
+  return p.headdim == T::kHeadDim && p.headdim_v == T::kHeadDim && !T::kSlicedV;
 }
 
 // Launches the forward kernel for one traits type on `stream`, compiled with or without kWholeDims.
@@ -323,7 +356,7 @@ cudaError_t launch_forward_kernel(AttnParams const& p, cudaStream_t stream) {
       return e;
     }
   }
-  const dim3 grid((p.seqlen_q + T::kBlockM - 1) / T::kBlockM * p.num_splits, p.nheads, p.batch);
+  const dim3 grid((p.seqlen_q + T::kBlockM - 1) / T::kBlockM * p.num_splits * v_slices<T>(p), p.nheads, p.batch);
   kernel<<<grid, T::kThreads, kSmem, stream>>>(p);
   return cudaGetLastError();
 }

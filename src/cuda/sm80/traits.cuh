@@ -65,10 +65,12 @@ struct GmemCopy {
 // kEarlyCopies: the prologue's copies (Q, the first key tile) are issued before the score shape and the MMA
 // set-up are computed, which then run while they land; else after them. Faster at head dim 128 only
 // (docs/tuning-sm80.md, "Forward: copy order in the prologue").
+// kHeadDimV: the output columns one CTA computes. Below kHeadDim (wide heads, configs.cuh) V and the output are
+// split into column slices of this width, one CTA per slice, each computing the scores and softmax whole.
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, bool kMaskLoopApart_ = false,
           bool kPlain_ = false,
           bool kSkipSettledRescale_ = kBlockM_ * (kBlockN_ + kHeadDim_) / (32 * kWarps_) <= 160,
-          bool kEarlyCopies_ = kHeadDim_ == 128>
+          bool kEarlyCopies_ = kHeadDim_ == 128, int kHeadDimV_ = kHeadDim_, bool kWholeDimsKernel_ = true>
 struct FwdTraits {
   using Element = Element_;
   static constexpr bool kMaskLoopApart = kMaskLoopApart_;
@@ -79,7 +81,7 @@ struct FwdTraits {
   // and V copies (forward.cuh). Above head dim 128 ptxas schedules the loop with both copy paths slower; at 64
   // and 128 the twin timed within noise, so those compile one kernel (docs/tuning-sm80.md, "Forward: whole
   // head dims").
-  static constexpr bool kWholeDimsKernel = kHeadDim_ > 128;
+  static constexpr bool kWholeDimsKernel = kHeadDim_ > 128 && kWholeDimsKernel_;
   // Whether the prologue loads the first key tile's V with its K (in a copy group of its own, so that the
   // first visit waits for Q and K alone) instead of in the first visit: faster from head dim 128, slower at
   // head dim 64 (docs/tuning-sm80.md, "Forward: copy order in the prologue").
@@ -94,6 +96,10 @@ struct FwdTraits {
   // (dropout_bits); tests/cuda/test_sm80_dropout_groups.cu checks it against the MMA layout.
   static constexpr int kDropoutColumnsPerDraw = 4;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDimV = kHeadDimV_;
+  static constexpr bool kSlicedV = kHeadDimV < kHeadDim;
+  static_assert(kHeadDimV <= kHeadDim && (!kSlicedV || kHeadDimV % 64 == 0),
+                "output slices are 64-column multiples, no wider than the tile");
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kWarps = kWarps_;
@@ -107,19 +113,24 @@ struct FwdTraits {
   using Smem = SmemRowTile<Element, kHeadDim>;
   using SmemLayoutQ = typename Smem::template Layout<kBlockM>;
   using SmemLayoutKV = typename Smem::template Layout<kBlockN>;
-  // V^T (kHeadDim x kBlockN) viewed over V's storage, read with ldmatrix.trans.
-  using SmemLayoutVt = decltype(composition(SmemLayoutKV{},
-                                            make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+  // V (kBlockN x kHeadDimV) and the output (kBlockM x kHeadDimV, over Q's storage in the epilogue).
+  using SmemV = SmemRowTile<Element, kHeadDimV>;
+  using SmemLayoutV = typename SmemV::template Layout<kBlockN>;
+  using SmemLayoutO = typename SmemV::template Layout<kBlockM>;
+  // V^T (kHeadDimV x kBlockN) viewed over V's storage, read with ldmatrix.trans.
+  using SmemLayoutVt = decltype(composition(SmemLayoutV{},
+                                            make_layout(Shape<Int<kHeadDimV>, Int<kBlockN>>{}, GenRowMajor{})));
 
   using SmemCopyAtom = Copy_Atom<SM75_U32x4_LDSM_N, Element>;
   using SmemCopyAtomT = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
   using SmemCopyAtomO = Copy_Atom<DefaultCopy, Element>;
 
   using GmemLoad = typename GmemCopy<Element, Smem::kChunk, kThreads, true>::Tiled;
-  using GmemStore = typename GmemCopy<Element, Smem::kChunk, kThreads, false>::Tiled;
+  using GmemLoadV = typename GmemCopy<Element, SmemV::kChunk, kThreads, true>::Tiled;
+  using GmemStore = typename GmemCopy<Element, SmemV::kChunk, kThreads, false>::Tiled;
 
   static constexpr int kSmemBytes =
-      int(sizeof(Element)) * (cosize(SmemLayoutQ{}) + 2 * cosize(SmemLayoutKV{}));
+      int(sizeof(Element)) * (cosize(SmemLayoutQ{}) + cosize(SmemLayoutKV{}) + cosize(SmemLayoutV{}));
 };
 
 // The backward kernel: a CTA owns kBlockN keys of one (batch, head) and walks the query tiles that see them.
