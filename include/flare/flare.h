@@ -197,8 +197,7 @@ typedef enum flare_arch_path {
  *                and the blocks holding its keys are in 0..num_blocks-1. Forward only (no backward).
  * Head dims (every entry point): headdim (q, k) in 1..576 and headdim_v (v, out) in 1..512, in any
  *                combination (DeepSeek MLA: 576 / 512); outside, FLARE_INVALID_ARGUMENT. The CPU runs them
- *                all; on a CUDA device the forward takes them all (fp16 / bf16), and a backward of a head dim
- *                past 256 is FLARE_UNSUPPORTED (the CUDA backward's widest tile is 256).
+ *                all, and so does CUDA (fp16 / bf16, multiples of 8).
  * q, k, v and out share one dtype (fp32, fp16, bf16; fp64 on the CPU) and one device. */
 typedef struct flare_fwd_params {
   size_t struct_size;

@@ -38,8 +38,7 @@ constexpr bool kAllSmemConfigs = true;
 #else
 constexpr bool kAllSmemConfigs = false;
 #endif
-constexpr HeadDimSubset kSm80BwdTiles(kSm80BwdHeadDims, sm80_bwd_unit_built);
-constexpr BuiltKernels kBuilt{kSm80Tiles.span(), kSm90Dims.span(), kAllSmemConfigs, kSm80BwdTiles.span()};
+constexpr BuiltKernels kBuilt{kSm80Tiles.span(), kSm90Dims.span(), kAllSmemConfigs};
 constexpr HeadDimSubset kDecodeTiles(kDecodeHeadDims, decode_unit_built);
 // The passes compiled (FLARE_CUDA_PASSES): code that names a pass's kernels sits under `if constexpr` on these,
 // so a build without that pass links.
@@ -217,13 +216,16 @@ flare_status plan_call(const Problem& p, Plan* plan) {
     return FLARE_OK;
   }
 
-  std::string no_tile;
-  k.headdim = sm80_call_tile(p, kBuilt, &no_tile);
-  if (k.headdim == 0) return fail(FLARE_UNSUPPORTED, no_tile);
+  k.headdim = sm80_tile(p, kBuilt.sm80_tiles);
+  if (k.headdim == 0) {
+    return fail(FLARE_UNSUPPORTED, cat("head dim ", std::max(p.headdim, p.headdim_v), " has no kernel in this build "
+                                       "(head-dim tiles built: ", head_dims_string(kBuilt.sm80_tiles),
+                                       "; configure with FLARE_HEADDIMS to add tiles)"));
+  }
   const Sm80SmemBytes bytes =
       sm80_dispatch(p.dtype, k.headdim, Sm80SmemBytes{}, [&]<flare_dtype D, int d>() {
         Sm80SmemBytes b{};
-        if constexpr (kHasBackward && sm80_bwd_unit_built(d)) {
+        if constexpr (kHasBackward) {
           if (bwd) {
             b = {sm80::backward_smem_bytes<D, d>(SmemClass::kLarge), sm80::backward_smem_bytes<D, d>(SmemClass::kSmall)};
           }
@@ -327,7 +329,7 @@ flare_status route_forward(const Problem& p, bool* on_decode) {
 // The sm80 backward's workspace for a planned call.
 BwdLayout bwd_layout(const Problem& p, const Plan& k) {
   const int block_n = sm80_dispatch(p.dtype, k.headdim, 1, [&]<flare_dtype D, int d>() {
-    if constexpr (kHasBackward && sm80_bwd_unit_built(d)) return sm80::backward_block_n<D, d>(k.cls);
+    if constexpr (kHasBackward) return sm80::backward_block_n<D, d>(k.cls);
     return 1;  // unreachable: plan_call refuses a backward this build lacks
   });
   return sm80_bwd_layout(p, k.headdim, block_n, k.dev.sm_count);
@@ -453,7 +455,7 @@ flare_status backward(const Problem& p) {
   b.deterministic = p.deterministic;
 
   cudaError_t e = sm80_dispatch(p.dtype, k.headdim, cudaErrorInvalidValue, [&]<flare_dtype D, int d>() {
-    if constexpr (kHasBackward && sm80_bwd_unit_built(d)) return sm80::run_backward<D, d>(b, stream, k.cls);
+    if constexpr (kHasBackward) return sm80::run_backward<D, d>(b, stream, k.cls);
     return cudaErrorInvalidValue;  // unreachable: plan_call refuses a backward this build lacks
   });
   e = release_workspace(ws, stream, e);

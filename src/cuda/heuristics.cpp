@@ -131,23 +131,6 @@ int sm80_tile(const Problem& p, std::span<const int> tiles) {
   return 0;
 }
 
-int sm80_call_tile(const Problem& p, const BuiltKernels& built, std::string* why) {
-  const bool bwd = p.pass == Pass::kBackward;
-  const int tile = sm80_tile(p, bwd ? built.sm80_bwd_tiles : built.sm80_tiles);
-  if (tile != 0) return tile;
-  const int64_t width = std::max(p.headdim, p.headdim_v);
-  if (bwd && !built.sm80_bwd_tiles.empty() && sm80_tile(p, built.sm80_tiles) != 0) {
-    *why = cat("head dim ", width, " (headdim ", p.headdim, ", headdim_v ", p.headdim_v, ") has a CUDA forward but "
-               "no CUDA backward: the backward's widest head-dim tile is ", built.sm80_bwd_tiles.back(),
-               " (wider heads' gradients run on the CPU)");
-  } else {
-    *why = cat("head dim ", width, " has no kernel in this build (head-dim tiles built: ",
-               head_dims_string(bwd ? built.sm80_bwd_tiles : built.sm80_tiles),
-               "; configure with FLARE_HEADDIMS to add tiles)");
-  }
-  return 0;
-}
-
 SmemChoice sm80_smem_class(Pass pass, int tile, Sm80SmemBytes bytes, const DeviceProps& dev,
                            bool all_smem_configs) {
   const char* pass_name = pass == Pass::kBackward ? "the backward" : "the forward";

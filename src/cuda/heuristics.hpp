@@ -39,7 +39,6 @@ struct BuiltKernels {
   std::span<const int> sm80_tiles;     // ascending
   std::span<const int> sm90_headdims;  // ascending; empty when the sm90 units are not built
   bool all_smem_configs = false;       // FLARE_CUDA_ALL_CONFIGS: the sm_90 cubin holds the small sm80 class too
-  std::span<const int> sm80_bwd_tiles;  // ascending: the tiles the backward has (kSm80BwdHeadDims)
 };
 
 // A generated head-dim list cut to the entries `built` keeps, as a constant for BuiltKernels.
@@ -129,10 +128,6 @@ PathChoice choose_arch_path(const detail::Problem& p, flare_arch_path request, c
 // there is none.
 int sm80_tile(const detail::Problem& p, std::span<const int> tiles);
 
-// The tile of a call's pass (the backward's from built.sm80_bwd_tiles), or 0 with `why` saying what is missing:
-// a backward wider than its widest tile whose forward has one, or a head dim no tile of this build holds.
-int sm80_call_tile(const detail::Problem& p, const BuiltKernels& built, std::string* why);
-
 // Shared memory per block of the sm80 kernels of one (pass, dtype, tile) in each class (their entry points).
 struct Sm80SmemBytes {
   int large = 0;
@@ -155,12 +150,21 @@ SmemChoice sm80_smem_class(detail::Pass pass, int tile, Sm80SmemBytes bytes, con
 // A forward tile above kSm80WideTile splits the output's columns into slices of sm80_forward_slice(tile), one
 // CTA each (the scores and softmax computed whole in every one): the output accumulator of a whole 512-wide
 // row would not fit the registers. 384 -> 192, 512 and 576 -> 256 (576 is MLA's 576 / 512: two slices).
-// Such tiles hold the forward only, in 64-row tiles (sm80_forward_rows). src/cuda/sm80/configs.cuh compiles
+// The forward runs them in 64-row tiles (sm80_forward_rows). The backward splits the columns of dK, dV and dQ
+// into sm80_backward_slice(tile): the tile in equal 64-column multiples of at most 256, as few as divide it
+// (384 -> 192, 512 -> 256, 576 -> 192), since each slice repeats S = Q K^T and dP = dO V^T and no slice may
+// be left with a sliver (576 in 256s would run a third CTA for 64 columns). src/cuda/sm80/configs.cuh compiles
 // the kernels from these.
 inline constexpr int kSm80WideTile = 256;
 constexpr int sm80_forward_slice(int tile) {
   if (tile <= kSm80WideTile) return tile;
   return tile / 2 <= kSm80WideTile && tile / 2 % 64 == 0 ? tile / 2 : kSm80WideTile;
+}
+constexpr int sm80_backward_slice(int tile) {
+  for (int n = 1; n <= tile / 64; ++n) {
+    if (tile % n == 0 && tile / n % 64 == 0 && tile / n <= kSm80WideTile) return tile / n;
+  }
+  return tile;  // not reached for the generated tiles (multiples of 64 or at most 256)
 }
 // The CTAs per query tile a call of this tile and headdim_v takes: ceil(headdim_v / slice).
 constexpr int sm80_forward_slices(int tile, int64_t headdim_v) {

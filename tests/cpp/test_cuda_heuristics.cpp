@@ -29,10 +29,10 @@ constexpr DeviceProps kB200{10, 0, 148, 227 * 1024};
 constexpr DeviceProps kDevices[] = {kA100, kRtx3090, kL40, kH200, kB200};
 
 // The builds a test runs against: everything generated, no sm90 units, and a FLARE_HEADDIMS=128 build.
-const BuiltKernels kFull{kSm80HeadDims, kSm90HeadDims, false, kSm80BwdHeadDims};
-const BuiltKernels kNoSm90{kSm80HeadDims, {}, false, kSm80BwdHeadDims};
+const BuiltKernels kFull{kSm80HeadDims, kSm90HeadDims};
+const BuiltKernels kNoSm90{kSm80HeadDims, {}};
 constexpr int kOnly128[] = {128};
-const BuiltKernels kBuilt128{kOnly128, kOnly128, false, kOnly128};
+const BuiltKernels kBuilt128{kOnly128, kOnly128};
 
 constexpr int kSm90Smem = 200 * 1024;  // what an sm90 unit might take; fits the H200's 227 KB
 
@@ -88,12 +88,7 @@ const Feature kFeatures[] = {
 TEST(CudaHeuristics, GeneratedHeadDimLists) {
   EXPECT_TRUE(std::is_sorted(std::begin(kSm80HeadDims), std::end(kSm80HeadDims)));
   EXPECT_TRUE(std::is_sorted(std::begin(kSm90HeadDims), std::end(kSm90HeadDims)));
-  EXPECT_TRUE(std::is_sorted(std::begin(kSm80BwdHeadDims), std::end(kSm80BwdHeadDims)));
   EXPECT_EQ(kSm80HeadDims[std::size(kSm80HeadDims) - 1], 576) << "the C ABI takes head dims up to 576 / 512";
-  EXPECT_EQ(kSm80BwdHeadDims[std::size(kSm80BwdHeadDims) - 1], kSm80WideTile) << "the backward stops at 256";
-  for (int d : kSm80HeadDims) {
-    EXPECT_EQ(has(kSm80BwdHeadDims, d), d <= kSm80WideTile) << "every tile up to 256 has both passes: " << d;
-  }
   // Every call the sm90 path takes has an sm80 kernel too, so forcing sm80 always works.
   for (int d : kSm90HeadDims) {
     EXPECT_TRUE(has(kSm80HeadDims, d)) << d;
@@ -129,17 +124,7 @@ TEST(CudaHeuristics, EveryCombinationMapsToAPathThatExists) {
                                                 << " head dims, " << (pass == Pass::kForward ? "fwd" : "bwd")
                                                 << " hdim " << headdim << "/" << headdim_v << " " << f.name);
                 const bool sm80_exists = sm80_tile(p, built->sm80_tiles) != 0;
-                // The sm80 tile of the call's pass, or a reason naming the head dim.
-                std::string no_tile;
-                const int tile = sm80_call_tile(p, *built, &no_tile);
-                const bool bwd_fits = std::max(headdim, headdim_v) <= built->sm80_bwd_tiles.back();
-                EXPECT_EQ(tile != 0, pass == Pass::kForward ? sm80_exists : sm80_exists && bwd_fits);
-                EXPECT_EQ(tile == 0, !no_tile.empty()) << no_tile;
-                if (tile == 0) {
-                  EXPECT_TRUE(contains(no_tile, "head dim")) << no_tile;
-                  EXPECT_EQ(contains(no_tile, "no CUDA backward"), pass == Pass::kBackward && sm80_exists)
-                      << no_tile;
-                }
+                EXPECT_EQ(sm80_exists, built == &kBuilt128 ? std::max(headdim, headdim_v) <= 128 : true);
                 const PathChoice autod = choose_arch_path(p, FLARE_ARCH_PATH_AUTO, dev, *built, kSm90Smem);
                 EXPECT_TRUE(autod.unsupported.empty()) << autod.unsupported;
                 if (autod.path == ArchPath::kSm90) {
@@ -348,7 +333,7 @@ TEST(CudaHeuristics, Sm80Tile) {
     p.headdim = p.headdim_v = d;
     EXPECT_EQ(sm80_tile(p, kSm80HeadDims), d);
   }
-  // Wide heads: 264-384 -> 384, up to 512 -> 512, MLA's 576 / 512 -> 576; the forward only.
+  // Wide heads: 264-384 -> 384, up to 512 -> 512, MLA's 576 / 512 -> 576.
   p.headdim = p.headdim_v = 264;
   EXPECT_EQ(sm80_tile(p, kSm80HeadDims), 384);
   p.headdim = 320;
@@ -356,18 +341,8 @@ TEST(CudaHeuristics, Sm80Tile) {
   EXPECT_EQ(sm80_tile(p, kSm80HeadDims), 512);
   p.headdim = 576;
   EXPECT_EQ(sm80_tile(p, kSm80HeadDims), 576);
-  std::string why;
-  EXPECT_EQ(sm80_call_tile(p, kFull, &why), 576);
-  EXPECT_EQ(why, "");
-  p.pass = Pass::kBackward;
-  EXPECT_EQ(sm80_call_tile(p, kFull, &why), 0);
-  EXPECT_TRUE(contains(why, "head dim 576 (headdim 576, headdim_v 512) has a CUDA forward but no CUDA backward"))
-      << why;
-  EXPECT_TRUE(contains(why, "widest head-dim tile is 256")) << why;
-  p.pass = Pass::kForward;
   p.headdim = 584;
-  EXPECT_EQ(sm80_call_tile(p, kFull, &why), 0);
-  EXPECT_TRUE(contains(why, "head dim 584 has no kernel in this build")) << why;
+  EXPECT_EQ(sm80_tile(p, kSm80HeadDims), 0);
 }
 
 TEST(CudaHeuristics, WideTilesSliceTheOutput) {
@@ -388,6 +363,15 @@ TEST(CudaHeuristics, WideTilesSliceTheOutput) {
   EXPECT_EQ(sm80_forward_slices(512, 64), 1);
   EXPECT_EQ(sm80_forward_slices(576, 512), 2) << "MLA: two slices of 256";
   EXPECT_EQ(sm80_forward_slices(576, 576), 3);
+  // The backward's slices divide the tile evenly (each repeats S and dP; no sliver of a slice).
+  EXPECT_EQ(sm80_backward_slice(384), 192);
+  EXPECT_EQ(sm80_backward_slice(512), 256);
+  EXPECT_EQ(sm80_backward_slice(576), 192) << "three of 192, not 256 + 256 + 64";
+  for (int d : kSm80HeadDims) {
+    const int w = sm80_backward_slice(d);
+    EXPECT_EQ(d % w, 0) << d;
+    EXPECT_TRUE(d <= kSm80WideTile ? w == d : w % 64 == 0 && w <= kSm80WideTile) << d;
+  }
   // Slices are CTAs: 2 sequences x 16 heads x 2 query tiles x 2 slices = 128 CTAs, under 80% of 2 x 132
   // slots, split; the same call on 64 SMs (128 slots) fills them and keeps one split.
   Problem p = forward_call(512);

@@ -5,8 +5,7 @@ the flash_attn-compatible functions, on fresh random inputs with odd lengths.
   pytest tests/gpu                          on the GPU machine (skips when no CUDA device is present)
   pytest tests/gpu --device cpu             the same cases at small sizes against the CPU backend
 
-The CUDA path covers fp16/bf16, head dims that are multiples of 8 up to 576 / 512 (headdim_v may differ; above
-256 the forward alone), causal,
+The CUDA path covers fp16/bf16, head dims that are multiples of 8 up to 576 / 512 (headdim_v may differ), causal,
 windows, softcap, ALiBi, GQA/MQA, varlen (+ seqused_k), LSE and a deterministic backward; forwards of few query
 rows (the KV-cache kernels under auto), the paged varlen forward and the sm80 forward's split-KV have their own
 cases here. The KV-cache pass (flash_attn_with_kvcache) has its own module, test_cuda_kvcache.py.
@@ -107,10 +106,10 @@ def test_headdim_v(dtype, seqlens, dims, causal):
                     headdim_v=dims[1], causal=causal))
 
 
-# ---- wide heads: head dims above 256 (tiles 384, 512 and 576, the forward alone) -----------------------------
-# Their kernel splits the output's columns into slices, one CTA each (heuristics.hpp: sm80_forward_slice), so
-# the pairs below put headdim_v on both sides of a slice edge and the keys' head dim above and below it. MLA's
-# 576 / 512 among them. The backward of these dims is refused (test_cuda_runtime.py).
+# ---- wide heads: head dims above 256 (tiles 384, 512 and 576) ------------------------------------------------
+# Their kernels split the output's columns (the forward) and dK's, dV's and dQ's (the backward) into slices,
+# one CTA each (heuristics.hpp: sm80_forward_slice), so the pairs below put each head dim on both sides of a
+# slice edge. MLA's 576 / 512 among them.
 
 if SMALL:
     WIDE_DIMS = [(264, 264), (512, 512), (576, 512)]
@@ -129,7 +128,7 @@ def test_wide_heads(dtype, seqlens, dims, causal):
     sq, sk = seqlens
     nheads, nheads_k = heads_cycle(WIDE_DIMS.index(dims) + WIDE_SEQLENS.index(seqlens))
     check_case(Case(dtype=dtype, batch=_batch_for(sq, sk), seqlen_q=sq, seqlen_k=sk, nheads=nheads,
-                    nheads_k=nheads_k, headdim=dims[0], headdim_v=dims[1], causal=causal), backward=False)
+                    nheads_k=nheads_k, headdim=dims[0], headdim_v=dims[1], causal=causal))
 
 
 WIDE_FEATURES = {
@@ -140,6 +139,7 @@ WIDE_FEATURES = {
     "varlen-seqused": dict(seqlens_q=[1, 64, 0, 129], seqlens_k=[300, 64, 5, 700], seqused_k=[250, 64, 0, 699],
                            nheads=4, nheads_k=2, causal=True),
     "decode-gqa": dict(batch=3, seqlen_q=1, seqlen_k=2000, nheads=8, nheads_k=2),
+    "deterministic-mqa": dict(batch=1, seqlen_q=777, seqlen_k=1500, nheads=4, nheads_k=1, deterministic=True),
 }
 if SMALL:
     WIDE_FEATURES = {name: {**c, **({"seqlen_k": min(c["seqlen_k"], 60)} if "seqlen_k" in c else {})}
@@ -153,10 +153,10 @@ WIDE_FEATURE_DIMS = [(512, 512), (576, 512), (384, 320)] if not SMALL else [(512
 @pytest.mark.parametrize("dtype", DTYPES, ids=_id)
 def test_wide_head_features(monkeypatch, dtype, dims, name, splits):
     # "rule": the split-KV rule's count (the long decode-like rows split); "3": three splits forced, each merged
-    # by the combine kernel across the slices' columns.
+    # by the combine kernel across the slices' columns. The backward reads the merged lse.
     if splits != "rule":
         monkeypatch.setenv("FLARE_CUDA_FWD_SPLITS", splits)
-    check_case(Case(dtype=dtype, headdim=dims[0], headdim_v=dims[1], **WIDE_FEATURES[name]), backward=False)
+    check_case(Case(dtype=dtype, headdim=dims[0], headdim_v=dims[1], **WIDE_FEATURES[name]))
 
 
 # ---- both forward tile shapes at every head dim, whatever the lengths would pick -----------------------------
@@ -438,13 +438,15 @@ def test_dropout_mask_of_wide_heads(dtype):
         assert torch.equal(kept[i], ops.dropout_mask(p, seed, offset, i, h, sq, sk))
 
 
+@pytest.mark.parametrize("d", [64, 320] if not SMALL else [64], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=_id)
-def test_dropout_matches_the_cpu_backend(dtype, causal):
+def test_dropout_matches_the_cpu_backend(dtype, causal, d):
     # Same seed and offset on the device and on the CPU: the same mask, so the same outputs and gradients up to
     # rounding. The reference is the CPU backend in fp32 on the same (rounded) inputs; the same-dtype model of
-    # the rule is the CPU backend in the dtype itself (P and the outputs rounded to it).
-    b, sq, sk, h, hk, d, p = 2, 113 if not SMALL else 13, 203 if not SMALL else 29, 6, 2, 64, 0.2
+    # the rule is the CPU backend in the dtype itself (P and the outputs rounded to it). Head dim 320 runs the
+    # wide kernels (tile 384): two column slices, each drawing the mask of the same scores.
+    b, sq, sk, h, hk, p = 2, 113 if not SMALL else 13, 203 if not SMALL else 29, 6, 2, 0.2
     seed, offset = 1234567, 89
     q, k, v = (torch.randn(b, n, heads, d, device=DEVICE).to(dtype).requires_grad_(True)
                for n, heads in ((sq, h), (sk, hk), (sk, hk)))

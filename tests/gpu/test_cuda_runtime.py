@@ -13,8 +13,8 @@ import torch
 import flare
 from flare import _capi, ops
 from attention_reference import check_close, check_lse
-from cases import (DEVICE, SMALL, Case, check_case, expect_sm90_refusal, make_inputs, reference,
-                   require_cuda_backend, run_flare, skip_module_without_device, sm90_forced)
+from cases import (DEVICE, SMALL, Case, check_case, make_inputs, reference, require_cuda_backend, run_flare,
+                   skip_module_without_device)
 
 skip_module_without_device()
 
@@ -338,27 +338,6 @@ def test_tensors_on_another_device_than_the_current_one():
 
 
 # ---- what the CUDA path does not take: a clear error or a correct answer, never garbage -----------------------
-
-
-@cuda_only
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("dims", [(512, 512), (576, 512), (264, 128)], ids=["d512", "d576-512", "d264-128"])
-def test_wide_heads_have_no_cuda_backward(dims, dtype):
-    # Head dims above 256 have a CUDA forward (test_cuda_attention.py) but no backward: the forward of inputs that
-    # need gradients runs, the backward is refused naming the head dim, before any gradient is written.
-    d, dv = dims
-    q = torch.randn(1, 65, 2, d, device="cuda", dtype=dtype, requires_grad=True)
-    k = torch.randn(1, 70, 2, d, device="cuda", dtype=dtype, requires_grad=True)
-    v = torch.randn(1, 70, 2, dv, device="cuda", dtype=dtype, requires_grad=True)
-    if sm90_forced():  # the sm90 forward does not take them: refused, naming the head dim
-        expect_sm90_refusal(lambda: flare.flash_attn_func(q, k, v, causal=True), f"[hd {d}/{dv}]")
-        return
-    out = flare.flash_attn_func(q, k, v, causal=True)
-    assert out.shape == (1, 65, 2, dv) and torch.isfinite(out).all()
-    with pytest.raises((ValueError, NotImplementedError), match="no CUDA backward") as info:
-        out.backward(torch.randn_like(out))
-    assert f"head dim {max(d, dv)}" in str(info.value), str(info.value)
-    assert q.grad is None and k.grad is None and v.grad is None
 
 
 @cuda_only

@@ -26,21 +26,6 @@ constexpr bool sm80_unit_built(int d) {
   return false;
 }
 
-// Whether this build compiled the sm80 bwd unit of head dim tile d.
-constexpr bool sm80_bwd_unit_built(int d) {
-  switch (d) {
-    case 32: return sm80_unit_built(32);
-    case 64: return sm80_unit_built(64);
-    case 96: return sm80_unit_built(96);
-    case 128: return sm80_unit_built(128);
-    case 160: return sm80_unit_built(160);
-    case 192: return sm80_unit_built(192);
-    case 224: return sm80_unit_built(224);
-    case 256: return sm80_unit_built(256);
-  }
-  return false;
-}
-
 // Whether this build compiled the sm90 units of head dim d.
 constexpr bool sm90_unit_built(int d) {
   switch (d) {

@@ -5,11 +5,9 @@
 namespace flare::cuda {
 
 // Ascending. kSm80HeadDims: head-dim tiles of the sm80 kernels (a call runs on the smallest tile >= its
-// head dims); kSm80BwdHeadDims: those the backward has. kSm90HeadDims: head dims of the sm90 forward (a call
-// needs headdim == headdim_v == one of them).
+// head dims). kSm90HeadDims: head dims of the sm90 forward (a call needs headdim == headdim_v == one of them).
 // A build compiles those of FLARE_HEADDIMS (and the sm90 ones only with FLARE_SM90): dispatch.hpp says which.
 inline constexpr int kSm80HeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256, 384, 512, 576};
-inline constexpr int kSm80BwdHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
 inline constexpr int kSm90HeadDims[] = {64, 96, 128, 192, 256};
 inline constexpr int kDecodeHeadDims[] = {64, 128, 256};
 

@@ -53,7 +53,9 @@ __global__ void __launch_bounds__(kDsumThreads) dsum_kernel(const __grid_constan
   constexpr int kVec = 16 / int(sizeof(Element));
   constexpr int kLanes = std::min(32, int(std::bit_ceil(unsigned(kHeadDim / kVec))));
   constexpr int kRowsPerStep = kDsumThreads / kLanes;
-  static_assert(kLanes * kVec >= kHeadDim && kRowsPerCta % kRowsPerStep == 0);
+  // Vectors per lane and row: 1 up to 256 columns (fp16 / bf16), more for wide heads.
+  constexpr int kChunks = (kHeadDim + kLanes * kVec - 1) / (kLanes * kVec);
+  static_assert(kRowsPerCta % kRowsPerStep == 0);
   let_next_grid_start();  // the main kernel's CTAs take SMs as these leave them, then wait for this grid
 
   const int64_t zero4 = int64_t{p.dq_splits} * p.nheads * p.q_rows * p.headdim_rounded / 4;
@@ -78,13 +80,17 @@ __global__ void __launch_bounds__(kDsumThreads) dsum_kernel(const __grid_constan
   for (int step = 0; step < kRowsPerCta / kRowsPerStep; ++step) {
     const int i = blockIdx.x * kRowsPerCta + step * kRowsPerStep + threadIdx.x / kLanes;
     float acc = 0.f;
-    if (i < end && col < p.headdim_v) {
-      const uint4 o = *reinterpret_cast<const uint4*>(out + i * p.out.row_stride + col);
-      const uint4 d = *reinterpret_cast<const uint4*>(dout + i * p.dout.row_stride + col);
-      const Element* oe = reinterpret_cast<const Element*>(&o);
-      const Element* de = reinterpret_cast<const Element*>(&d);
-      CUTE_UNROLL
-      for (int k = 0; k < kVec; ++k) acc += static_cast<float>(oe[k]) * static_cast<float>(de[k]);
+    CUTE_UNROLL
+    for (int chunk = 0; chunk < kChunks; ++chunk) {
+      const int c = col + chunk * kLanes * kVec;
+      if (i < end && c < p.headdim_v) {
+        const uint4 o = *reinterpret_cast<const uint4*>(out + i * p.out.row_stride + c);
+        const uint4 d = *reinterpret_cast<const uint4*>(dout + i * p.dout.row_stride + c);
+        const Element* oe = reinterpret_cast<const Element*>(&o);
+        const Element* de = reinterpret_cast<const Element*>(&d);
+        CUTE_UNROLL
+        for (int k = 0; k < kVec; ++k) acc += static_cast<float>(oe[k]) * static_cast<float>(de[k]);
+      }
     }
     CUTE_UNROLL
     for (int o = kLanes / 2; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffff, acc, o);
@@ -97,6 +103,27 @@ __global__ void __launch_bounds__(kDsumThreads) dsum_kernel(const __grid_constan
 __device__ __forceinline__ void cp_async_float(float* to, const float* from) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(to));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(from) : "memory");
+}
+
+// The column slices of dK, dV and dQ a call's CTAs split (T::kSliced; else 1): ceil(max(headdim, headdim_v) /
+// T::kSliceD).
+template <class T>
+__host__ __device__ __forceinline__ int bwd_slices(BwdParams const& p) {
+  if constexpr (T::kSliced) {
+    return ((p.headdim > p.headdim_v ? p.headdim : p.headdim_v) + T::kSliceD - 1) / T::kSliceD;
+  }
+  return 1;
+}
+
+// Columns [slice * kCols, +kCols) of a (columns x rows) shared-memory view (Qt, dOt): the B operand of a
+// column slice's dK / dV product. The whole view where there is one slice.
+template <int kCols, class Tensor>
+__device__ __forceinline__ auto column_slice(Tensor&& t, int slice) {
+  if constexpr (kCols == decltype(size<0>(t))::value) {
+    return t;
+  } else {
+    return local_tile(t, Shape<Int<kCols>, decltype(size<1>(t))>{}, make_coord(slice, 0));
+  }
 }
 
 // The query tiles [m_first, m_last) whose rows see any key of tile [n0, n0 + block_n) (empty when none does).
@@ -122,8 +149,13 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
   constexpr int kBlockM = T::kBlockM;
   constexpr int kBlockN = T::kBlockN;
   constexpr int kHeadDim = T::kHeadDim;
+  constexpr int kSliceD = T::kSliceD;
 
-  const int h = blockIdx.y;
+  // With column slices (T::kSliced) grid y is (head, slice), the slices of a head side by side.
+  const int slices = bwd_slices<T>(p);
+  const int h = static_cast<int>(blockIdx.y) / slices;
+  const int slice = static_cast<int>(blockIdx.y) % slices;
+  const int col0 = slice * kSliceD;  // this CTA's columns of dK, dV and dQ: [col0, col0 + kSliceD)
   const int b = blockIdx.z;
   const int tid = threadIdx.x;
   const Sequence seq(p, b);
@@ -136,6 +168,7 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
 
   using TileM = Shape<Int<kBlockM>, Int<kHeadDim>>;
   using TileN = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  using TileNS = Shape<Int<kBlockN>, Int<kSliceD>>;  // dK and dV of the slice
 
   extern __shared__ char smem[];
   Element* base = reinterpret_cast<Element*>(smem);
@@ -197,9 +230,9 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
   Tensor rdO = thr_sdp.partition_fragment_A(shape_only<Element>(TileM{}));
   Tensor rV = thr_sdp.partition_fragment_B(shape_only<Element>(TileN{}));
   Tensor rPt = thr_dkv.partition_fragment_A(shape_only<Element>(Shape<Int<kBlockN>, Int<kBlockM>>{}));
-  Tensor rdOt = thr_dkv.partition_fragment_B(shape_only<Element>(Shape<Int<kHeadDim>, Int<kBlockM>>{}));
+  Tensor rdOt = thr_dkv.partition_fragment_B(shape_only<Element>(Shape<Int<kSliceD>, Int<kBlockM>>{}));
   Tensor rdSt = thr_dkv.partition_fragment_A(shape_only<Element>(Shape<Int<kBlockN>, Int<kBlockM>>{}));
-  Tensor rQt = thr_dkv.partition_fragment_B(shape_only<Element>(Shape<Int<kHeadDim>, Int<kBlockM>>{}));
+  Tensor rQt = thr_dkv.partition_fragment_B(shape_only<Element>(Shape<Int<kSliceD>, Int<kBlockM>>{}));
   Tensor rdS = thr_dq.partition_fragment_A(shape_only<Element>(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   constexpr int kDqCols = T::kDqCols;
   using TileDq = Shape<Int<kBlockM>, Int<kDqCols>>;
@@ -287,8 +320,8 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
                           kHeadDim;
     const Span seeing_all = shape.rows_seeing_all(n0, n0 + kBlockN);  // query tiles inside need no mask
 
-    Tensor acc_dk = partition_fragment_C(mma_dkv, TileN{});
-    Tensor acc_dv = partition_fragment_C(mma_dkv, TileN{});
+    Tensor acc_dk = partition_fragment_C(mma_dkv, TileNS{});
+    Tensor acc_dv = partition_fragment_C(mma_dkv, TileNS{});
     clear(acc_dk);
     clear(acc_dv);
 
@@ -371,26 +404,28 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
       copy(copy_p, thr_p.retile_S(ds_elem), tPsdS);
       __syncthreads();
 
-      gemm_ss(acc_dv, rPt, rdOt, tPsPt, thr_b_dkv.partition_S(sdOt_at(buf)), mma_dkv, copy_a_dkv, copy_b_dkv,
-              thr_a_dkv, thr_b_dkv);
+      gemm_ss(acc_dv, rPt, rdOt, tPsPt, thr_b_dkv.partition_S(column_slice<kSliceD>(sdOt_at(buf), slice)), mma_dkv,
+              copy_a_dkv, copy_b_dkv, thr_a_dkv, thr_b_dkv);
       if (kBufs == 1 && more) {
         __syncthreads();  // every warp is done with dO[m]
         load_next(m, p.dout, dout_offset, kBufs, p.headdim_v);
       }
       // dQ before dK: its atomics then drain while the dK product keeps the tensor cores busy.
       CUTE_UNROLL
-      for (int slice = 0; slice < kHeadDim / kDqCols; ++slice) {
+      for (int piece = 0; piece < kSliceD / kDqCols; ++piece) {
+        // The dQ slice (kDqCols wide) of this piece of the CTA's columns.
+        const int dq_slice = slice * (kSliceD / kDqCols) + piece;
         Tensor acc_dq = partition_fragment_C(mma_dq, TileDq{});
         clear(acc_dq);
-        gemm_ss(acc_dq, rdS, rKt, tdQsdS, thr_b_dq.partition_S(sKt_slices(_, _, slice)), mma_dq, copy_a_dq,
+        gemm_ss(acc_dq, rdS, rKt, tdQsdS, thr_b_dq.partition_S(sKt_slices(_, _, dq_slice)), mma_dq, copy_a_dq,
                 copy_b_dq, thr_a_dq, thr_b_dq);
         // Fragment order within the slice; slices one after the other (top).
-        float* dq_tile = dq_accum + static_cast<int64_t>(m0) * kHeadDim + slice * (kBlockM * kDqCols) + tid;
+        float* dq_tile = dq_accum + static_cast<int64_t>(m0) * kHeadDim + dq_slice * (kBlockM * kDqCols) + tid;
         CUTE_UNROLL
         for (int i = 0; i < size(acc_dq); ++i) atomicAdd(dq_tile + i * T::kThreads, acc_dq(i));
       }
-      gemm_ss(acc_dk, rdSt, rQt, tdSsdSt, thr_b_dkv.partition_S(sQt_at(buf)), mma_dkv, copy_a_dkv, copy_b_dkv,
-              thr_a_dkv, thr_b_dkv);
+      gemm_ss(acc_dk, rdSt, rQt, tdSsdSt, thr_b_dkv.partition_S(column_slice<kSliceD>(sQt_at(buf), slice)), mma_dkv,
+              copy_a_dkv, copy_b_dkv, thr_a_dkv, thr_b_dkv);
       if (kBufs == 1 && more) {
         __syncthreads();  // every warp is done with Q[m] (and read its row statistics at the top)
         load_row_stats(m + 1, 0, true, true);
@@ -414,7 +449,7 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
     }
 
     // dK (scaled) and dV: straight to the caller's tensors (MHA) or to per-query-head fp32 buffers (GQA).
-    using KvCoords = AccCoords<typename T::MmadKV, TileN>;
+    using KvCoords = AccCoords<typename T::MmadKV, TileNS>;
     const KvCoords kv_coords(mma_dkv, tid);
     Tensor coord_kv = KvCoords::offsets();
     CUTE_UNROLL
@@ -424,8 +459,8 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
     cp_async_wait<0>();
     if (group == 1) {
       __syncthreads();  // shared memory is reused for the output tiles
-      Tensor sdK = make_tensor(make_smem_ptr(k_base), typename T::SmemLayoutKV{});
-      Tensor sdV = make_tensor(make_smem_ptr(k_base + kKV), typename T::SmemLayoutKV{});
+      Tensor sdK = make_tensor(make_smem_ptr(k_base), typename T::SmemLayoutKVSlice{});
+      Tensor sdV = make_tensor(make_smem_ptr(k_base + kKV), typename T::SmemLayoutKVSlice{});
       auto copy_o = make_tiled_copy_C(typename T::SmemCopyAtomO{}, mma_dkv);
       auto thr_o = copy_o.get_thread_slice(tid);
       Tensor dk_elem = convert_fragment<Element>(acc_dk);
@@ -435,17 +470,18 @@ __device__ __forceinline__ void backward_body(BwdParams const& p) {
       __syncthreads();
       typename T::GmemStore gstore;
       auto sthr = gstore.get_thread_slice(tid);
-      Tensor gdK = local_tile(gmem_rows<Element, kHeadDim>(p.dk, seq.k_offset(p.dk, b, h), seq.len_k), TileN{},
-                              make_coord(n_block, 0));
-      Tensor gdV = local_tile(gmem_rows<Element, kHeadDim>(p.dv, seq.k_offset(p.dv, b, h), seq.len_k), TileN{},
-                              make_coord(n_block, 0));
+      Tensor gdK = local_tile(gmem_rows<Element, kSliceD>(p.dk, seq.k_offset(p.dk, b, h) + col0, seq.len_k),
+                              TileNS{}, make_coord(n_block, 0));
+      Tensor gdV = local_tile(gmem_rows<Element, kSliceD>(p.dv, seq.k_offset(p.dv, b, h) + col0, seq.len_k),
+                              TileNS{}, make_coord(n_block, 0));
+      Tensor tOcO = sthr.partition_S(make_identity_tensor(TileNS{}));
       const int rows_out = seq.len_k_stored - n0;
-      copy_rows<false>(gstore, sthr.partition_S(sdK), sthr.partition_D(gdK), tKcK, rows_out, p.headdim);
-      copy_rows<false>(gstore, sthr.partition_S(sdV), sthr.partition_D(gdV), tKcK, rows_out, p.headdim_v);
+      copy_rows<false>(gstore, sthr.partition_S(sdK), sthr.partition_D(gdK), tOcO, rows_out, p.headdim - col0);
+      copy_rows<false>(gstore, sthr.partition_S(sdV), sthr.partition_D(gdV), tOcO, rows_out, p.headdim_v - col0);
     } else {
       const int64_t row0 = h * p.k_rows + seq.k_row0(p, b) + n0 + kv_coords.row_base;
-      float* dk = p.dk_accum + row0 * kHeadDim + kv_coords.col_base;
-      float* dv = p.dv_accum + row0 * kHeadDim + kv_coords.col_base;
+      float* dk = p.dk_accum + row0 * kHeadDim + col0 + kv_coords.col_base;
+      float* dv = p.dv_accum + row0 * kHeadDim + col0 + kv_coords.col_base;
       CUTE_UNROLL
       for (int i = 0; i < size(acc_dk); ++i) {
         const int64_t at = get<0>(coord_kv(i)) * kHeadDim + get<1>(coord_kv(i));
@@ -596,7 +632,7 @@ struct BwdGrids {
   explicit BwdGrids(BwdParams const& p)
       : rows((p.seqlen_q + kRowsPerCta - 1) / kRowsPerCta, p.nheads, p.batch),
         main(p.seqlen_k == 0 ? 0 : p.deterministic ? p.dq_splits : (p.seqlen_k + T::kBlockN - 1) / T::kBlockN,
-             p.nheads, p.batch),
+             p.nheads * bwd_slices<T>(p), p.batch),
         dq((p.seqlen_q + T::kBlockM - 1) / T::kBlockM, p.nheads, p.batch) {}
 };
 

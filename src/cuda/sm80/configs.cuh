@@ -155,6 +155,17 @@ template <class E> struct BwdConfigOf<E, 192, SmemClass::kSmall> { using type = 
 template <class E> struct BwdConfigOf<E, 224, SmemClass::kSmall> { using type = BwdSmall<E, 224, 32, 32, 4, 2, 2, 2, false>; };
 template <class E> struct BwdConfigOf<E, 256, SmemClass::kSmall> { using type = BwdSmall<E, 256, 32, 32, 4, 2, 2, 2, false>; };
 
+// Wide heads (tiles 384, 512, 576): dK, dV and dQ in column slices of sm80_backward_slice(tile), one CTA each
+// (heuristics.hpp), every CTA computing S and dP whole; 32 query rows x 32 keys on 4 warps, single-buffered,
+// dQ in 64-column pieces: a slice's dK and dV accumulators are head dim 256's small class's (128 registers per
+// thread at 256 columns), and shared memory (Q, dO, K, V whole) is 100 / 132 / 148 KB, within sm_80's 163 KB.
+// One configuration for both classes: none fits the small one, whose GPUs refuse the call (sm80_smem_class).
+template <class E, int d>
+using BwdWide = BwdTraits<E, d, 32, 32, 4, 2, 2, 2, false, SmemClass::kLarge, 64, true, false, sm80_backward_slice(d)>;
+template <class E, SmemClass c> struct BwdConfigOf<E, 384, c> { using type = BwdWide<E, 384>; };
+template <class E, SmemClass c> struct BwdConfigOf<E, 512, c> { using type = BwdWide<E, 512>; };
+template <class E, SmemClass c> struct BwdConfigOf<E, 576, c> { using type = BwdWide<E, 576>; };
+
 template <class Element, int kHeadDim, SmemClass kClass = SmemClass::kLarge>
 using BwdConfig = typename BwdConfigOf<Element, kHeadDim, kClass>::type;
 

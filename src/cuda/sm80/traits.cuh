@@ -143,15 +143,21 @@ struct FwdTraits {
 // for its case (backward.cuh); else one loop tests per tile.
 // kStatsInSmem: each query tile's lse and D are copied into shared memory with its Q and dO (double-buffered
 // like them) instead of read from global memory at the top of its visit (backward.cuh, configs.cuh).
+// kSliceD: the columns of dK, dV and dQ one CTA computes. Below kHeadDim (wide heads, configs.cuh) they are
+// split into slices of this width, one CTA each, each computing the scores and dP whole.
 template <class Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kAtomMSdP, int kAtomNdKV,
           int kAtomMdQ, bool kDoubleBuffer_ = true, SmemClass kClass_ = SmemClass::kLarge, int kDqCols_ = 0,
-          bool kMaskLoopApart_ = true, bool kStatsInSmem_ = false>
+          bool kMaskLoopApart_ = true, bool kStatsInSmem_ = false, int kSliceD_ = kHeadDim_>
 struct BwdTraits {
   static constexpr bool kMaskLoopApart = kMaskLoopApart_;
   static constexpr bool kStatsInSmem = kStatsInSmem_;
-  static constexpr int kDqCols = kDqCols_ == 0 ? kHeadDim_ : kDqCols_;
-  static_assert(kHeadDim_ % kDqCols == 0 && kDqCols % (16 * (kWarps_ / kAtomMdQ)) == 0,
-                "dQ slices must tile the head dim and the dQ product's columns");
+  static constexpr int kSliceD = kSliceD_;
+  static constexpr bool kSliced = kSliceD < kHeadDim_;
+  static constexpr int kDqCols = kDqCols_ == 0 ? kSliceD : kDqCols_;
+  static_assert(kHeadDim_ % kDqCols == 0 && kSliceD % kDqCols == 0 && kDqCols % (16 * (kWarps_ / kAtomMdQ)) == 0,
+                "dQ slices must tile the head dim, the CTA's column slice and the dQ product's columns");
+  static_assert(!kSliced || (kSliceD % 64 == 0 && kHeadDim_ % kSliceD == 0),
+                "column slices are 64-column multiples that tile the head dim");
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
@@ -169,7 +175,7 @@ struct BwdTraits {
   // (dropout_bits): 2, the warps splitting the keys as well; tests/cuda/test_sm80_dropout_groups.cu
   // checks it against MmaSdP's layout.
   static constexpr int kDropoutColumnsPerDraw = 2;
-  using MmadKV = Mma<kAtomNdKV>;  // dV += P^T dO and dK += dS^T Q:  (kBlockN x kHeadDim)
+  using MmadKV = Mma<kAtomNdKV>;  // dV += P^T dO and dK += dS^T Q:  (kBlockN x kSliceD)
   using MmadQ = Mma<kAtomMdQ>;    // dQ = dS K:                       (kBlockM x kDqCols) per slice
 
   using SmemD = SmemRowTile<Element, kHeadDim>;
@@ -179,6 +185,8 @@ struct BwdTraits {
       decltype(composition(SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>>{}, GenRowMajor{})));
   using SmemLayoutKt =
       decltype(composition(SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+  // dK and dV of a column slice, staged for the store over K's and V's storage.
+  using SmemLayoutKVSlice = typename SmemRowTile<Element, kSliceD>::template Layout<kBlockN>;
   using SmemN = SmemRowTile<Element, kBlockN>;
   using SmemLayoutP = typename SmemN::template Layout<kBlockM>;
   using SmemLayoutPt =
