@@ -120,7 +120,8 @@ def main():
                       f"  >= {GOALS['hd512'][1]} (TFLOP/s 512 / 256)")
     for row in rows:  # "pass" in the file, as the other topics spell it
         row["pass"] = row.pop("pass_")
-    doc = {"meta": {**meta.provenance(__file__), "device": meta.cpu_description(), **meta.device_meta(torch),
+    # The processor's name last: device_meta's "device" says only that no GPU is present.
+    doc = {"meta": {**meta.provenance(__file__), **meta.device_meta(torch), "device": meta.cpu_description(),
                     **meta.flare_meta(), "threads": torch.get_num_threads(), "runs_per_pair": runs,
                     "tokens": TOKENS, "width": WIDTH},
            "rows": rows}

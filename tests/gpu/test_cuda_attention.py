@@ -396,35 +396,20 @@ def _dropout_fwd(q, k, v, causal, p, seed, offset):
                    p, seed, offset)
 
 
+# (keys, headdim_v): 70 keys in a head dim of 72; 300 keys in 320 (tile 384: two output slices of 192 columns,
+# each CTA drawing the mask of its own columns).
+DROPOUT_MASK_SHAPES = [(70, 72), (300, 320)] if not SMALL else [(70, 72), (30, 32)]
+
+
+@pytest.mark.parametrize("shape", DROPOUT_MASK_SHAPES, ids=_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=_id)
-def test_dropout_mask_is_the_cpu_mask(dtype):
+def test_dropout_mask_is_the_cpu_mask(dtype, shape):
     # Values = the identity (one column per key): out[i][j] = P_ij z_ij, zero exactly where dropped. The device's
     # zeros must be flare_dropout_mask's (the CPU backend's) bit for bit, for any seed and offset.
     from flare import ops
-    b, sq, sk, h, p = 2, 37, 70, 3, 0.3
-    dv = 72  # sk columns of the identity, zero-padded to a head dim CUDA takes (a multiple of 8)
+    b, sq, h, p = 2, 37, 3, 0.3
+    sk, dv = shape  # sk columns of the identity, zero-padded to a head dim CUDA takes (a multiple of 8)
     seed, offset = -0x21524110DEADBEEF, 2**33 + 7
-    q = torch.randn(b, sq, h, 64, device=DEVICE).to(dtype)
-    k = torch.randn(b, sk, 1, 64, device=DEVICE).to(dtype)
-    eye = torch.zeros(b, sk, 1, dv, device=DEVICE, dtype=dtype)
-    eye[:, :, 0, :sk] = torch.eye(sk, device=DEVICE).to(dtype)
-    if sm90_forced():
-        expect_sm90_refusal(lambda: _dropout_fwd(q, k, eye, False, p, seed, offset), "[dropout]")
-        return
-    out, _ = _dropout_fwd(q, k, eye, False, p, seed, offset)
-    kept = (out[..., :sk] != 0).permute(0, 2, 1, 3).cpu()
-    for i in range(b):
-        assert torch.equal(kept[i], ops.dropout_mask(p, seed, offset, i, h, sq, sk))
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
-def test_dropout_mask_of_wide_heads(dtype):
-    # As above with headdim_v 320 (tile 384, two output slices of 192 columns): each slice's CTA draws the mask
-    # of its own columns, and both must be the CPU backend's.
-    from flare import ops
-    b, sq, sk, h, p = 2, 37, 300 if not SMALL else 30, 2, 0.25
-    dv = 320 if not SMALL else 32
-    seed, offset = 987654321, 5
     q = torch.randn(b, sq, h, 64, device=DEVICE).to(dtype)
     k = torch.randn(b, sk, 1, 64, device=DEVICE).to(dtype)
     eye = torch.zeros(b, sk, 1, dv, device=DEVICE, dtype=dtype)
