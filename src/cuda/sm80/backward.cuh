@@ -718,16 +718,23 @@ cudaError_t launch_backward_with(BwdParams const& p, cudaStream_t stream, bool c
 
 // The backward of a call: traits T, or TShaped for calls with softcap, ALiBi (shaped_scores) or dropout. Both
 // must have the key-tile height the host sized the workspace for.
+// Wide heads (column slices, T::kSliced) compile the kernel with the score transform alone and run every call
+// on it: over 384-576 columns per score the transform's per-element cost is small, and one kernel per unit
+// keeps the build within its budget.
 template <class T, class TShaped = T>
 cudaError_t launch_backward(BwdParams const& p, cudaStream_t stream) {
   static_assert(T::kBlockN == TShaped::kBlockN, "one key-tile height per head dim (backward_block_n)");
-  if (shaped_scores(p) || p.dropout_p > 0.f) return launch_backward_with<TShaped, true>(p, stream);
-  using Short = typename BwdShortOf<T>::type;  // configs.cuh: short sequences, where it pays
-  if constexpr (!std::is_void_v<Short>) {
-    static_assert(Short::kBlockN == T::kBlockN && Short::kBlockM == T::kBlockM, "the same workspace");
-    if (backward_short(p)) return launch_backward_with<Short, false>(p, stream);
+  if constexpr (T::kSliced) {
+    return launch_backward_with<TShaped, true>(p, stream);
+  } else {
+    if (shaped_scores(p) || p.dropout_p > 0.f) return launch_backward_with<TShaped, true>(p, stream);
+    using Short = typename BwdShortOf<T>::type;  // configs.cuh: short sequences, where it pays
+    if constexpr (!std::is_void_v<Short>) {
+      static_assert(Short::kBlockN == T::kBlockN && Short::kBlockM == T::kBlockM, "the same workspace");
+      if (backward_short(p)) return launch_backward_with<Short, false>(p, stream);
+    }
+    return launch_backward_with<T, false>(p, stream);
   }
-  return launch_backward_with<T, false>(p, stream);
 }
 
 }  // namespace flare::cuda::sm80
