@@ -207,23 +207,28 @@ flare_arch_path check_arch_path(int32_t arch_path) {
              "FLARE_ARCH_PATH_SM90 (90)"));
 }
 
-// The widest head dim any CUDA kernel of any build takes: the largest sm80 tile (a call runs on the smallest
-// tile >= its head dims) or sm90 head dim.
+// The widest head dim any CUDA attention kernel of any build takes: the largest sm80 tile (a call runs on the
+// smallest tile >= its head dims) or sm90 head dim; the same for the KV-cache kernels.
 constexpr int64_t kCudaMaxHeaddim = std::max(*std::ranges::max_element(cuda::kSm80HeadDims),
                                              *std::ranges::max_element(cuda::kSm90HeadDims));
+constexpr int64_t kCudaKvCacheMaxHeaddim = *std::ranges::max_element(cuda::kDecodeHeadDims);
+static_assert(kCudaMaxHeaddim >= cpu::kMaxHeaddim && kCudaMaxHeaddim >= cpu::kMaxHeaddimV,
+              "the CUDA attention kernels take every head dim the C ABI does (multiples of 8)");
 
 void check_head_dims(int64_t headdim, const char* headdim_what, int64_t headdim_v, const char* headdim_v_what,
-                     const flare_device& device) {
+                     const flare_device& device, bool kv_cache) {
   const std::string rule = cat("headdim (q, k) must be in 1..", cpu::kMaxHeaddim, " and headdim_v (v, out) in 1..",
                                cpu::kMaxHeaddimV);
   if (headdim < 1 || headdim > cpu::kMaxHeaddim) reject(cat(headdim_what, " is ", headdim, ": ", rule));
   if (headdim_v < 1 || headdim_v > cpu::kMaxHeaddimV) reject(cat(headdim_v_what, " is ", headdim_v, ": ", rule));
   if (device.type != FLARE_DEVICE_CUDA) return;
+  const int64_t cuda_max = kv_cache ? kCudaKvCacheMaxHeaddim : kCudaMaxHeaddim;
   for (const auto& [value, what] : {std::pair{headdim, headdim_what}, std::pair{headdim_v, headdim_v_what}}) {
-    if (value > kCudaMaxHeaddim) {
-      reject_unsupported(cat(what, " is ", value, " on ", device_name(device), ": the CUDA kernels take head dims "
-                             "up to ", kCudaMaxHeaddim, "; head dims up to ", cpu::kMaxHeaddim, " (headdim_v up to ",
-                             cpu::kMaxHeaddimV, ") run on the CPU"));
+    if (value > cuda_max) {
+      reject_unsupported(cat(what, " is ", value, " on ", device_name(device), ": the CUDA ",
+                             kv_cache ? "KV-cache kernels" : "kernels", " take head dims up to ", cuda_max,
+                             "; head dims up to ", cpu::kMaxHeaddim, " (headdim_v up to ", cpu::kMaxHeaddimV,
+                             ") run on the CPU"));
     }
   }
 }

@@ -110,10 +110,11 @@ flare_arch_path check_arch_path(int32_t arch_path);
 void check_heads(int64_t nheads, int64_t nheads_k, const char* k_name);
 // A call's head dims (what: "q.shape[3] (headdim)", "v.shape[3] (headdim_v)") on q's device. The library's
 // rule, INVALID_ARGUMENT past it: headdim in 1..576 and headdim_v in 1..512 (the CPU backend's range,
-// cpu::kMaxHeaddim / kMaxHeaddimV). On CUDA, a head dim wider than every CUDA kernel (kCudaMaxHeaddim) is
-// FLARE_UNSUPPORTED: the call is valid, but only the CPU backend runs it.
+// cpu::kMaxHeaddim / kMaxHeaddimV). On CUDA, a head dim wider than every CUDA kernel of the call's kind is
+// FLARE_UNSUPPORTED: the call is valid, but only the CPU backend runs it. The attention kernels take the whole
+// range; the KV-cache kernels (kv_cache) take head dims up to their widest tile (256).
 void check_head_dims(int64_t headdim, const char* headdim_what, int64_t headdim_v, const char* headdim_v_what,
-                     const flare_device& device);
+                     const flare_device& device, bool kv_cache = false);
 
 // q's dtype is one the device can compute with: F32/F16/BF16 everywhere, F64 on the CPU, E4M3 on CUDA in
 // forward passes (`allow_fp8`). Unknown or index dtypes are invalid; valid ones this device or pass cannot

@@ -89,7 +89,8 @@ CacheShape check_kvcache_tensors(const flare_kvcache_params& f, Problem* p) {
   const int64_t nheads_k = f.k_cache.shape[2];
   const int64_t headdim_v = f.v_cache.shape[3];
   check_heads(nheads, nheads_k, "k_cache");
-  check_head_dims(headdim, "q.shape[3] (headdim)", headdim_v, "v_cache.shape[3] (headdim_v)", f.q.device);
+  check_head_dims(headdim, "q.shape[3] (headdim)", headdim_v, "v_cache.shape[3] (headdim_v)", f.q.device,
+                  /*kv_cache=*/true);
   require_int32(c.batch, "q.shape[0] (batch)");
   require_int32(seqlen_q, "q.shape[1] (seqlen_q)");
   require_int32(nheads, "the number of q heads");

@@ -191,6 +191,27 @@ TEST(BadInputKvCache, Devices) {
       true);
 }
 
+// The CUDA KV-cache kernels take head dims up to 256: a wider q / k_cache (or v_cache) on a CUDA device is
+// UNSUPPORTED at validation, in any build, naming the head dim and the CPU as where it runs.
+TEST(BadInputKvCache, WideHeadDimsOnCuda) {
+  for (bool value_side : {false, true}) {
+    for_dense_and_paged([value_side](KvCase& c) {
+      move_all({&c.params.q, &c.params.k_cache, &c.params.v_cache, &c.params.k_new, &c.params.v_new,
+                &c.params.out, &c.params.softmax_lse, &c.params.cache_seqlens, &c.params.block_table,
+                &c.params.rotary_cos, &c.params.rotary_sin},
+               kCuda0);
+      if (value_side) {  // headdim_v 320: v_cache, v_new and out
+        for (flare_tensor* t : {&c.params.v_cache, &c.params.v_new, &c.params.out}) t->shape[3] = 320;
+      } else {  // headdim 320: q, k_cache and k_new
+        for (flare_tensor* t : {&c.params.q, &c.params.k_cache, &c.params.k_new}) t->shape[3] = 320;
+      }
+      expect_rejected(c, call_kvcache, FLARE_UNSUPPORTED,
+                      {value_side ? "(headdim_v) is 320 on cuda:0" : "(headdim) is 320 on cuda:0",
+                       "the CUDA KV-cache kernels take head dims up to 256", "run on the CPU"});
+    });
+  }
+}
+
 TEST(BadInputKvCache, StridesAndOverlap) {
   for_dense_and_paged([](KvCase& c) {
     c.params.k_cache.strides[3] = 2;
