@@ -146,7 +146,7 @@ struct SmemChoice {
 SmemChoice sm80_smem_class(detail::Pass pass, int tile, Sm80SmemBytes bytes, const DeviceProps& dev,
                            bool all_smem_configs);
 
-// ---- wide heads (sm80 forward tiles above 256) ---------------------------------------------------------
+// ---- wide heads (sm80 tiles above 256) -----------------------------------------------------------------
 // A forward tile above kSm80WideTile splits the output's columns into slices of sm80_forward_slice(tile), one
 // CTA each (the scores and softmax computed whole in every one): the output accumulator of a whole 512-wide
 // row would not fit the registers. 384 -> 192, 512 and 576 -> 256 (576 is MLA's 576 / 512: two slices).
