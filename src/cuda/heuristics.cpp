@@ -21,6 +21,15 @@ using detail::Problem;
 
 constexpr size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 
+// The sm90 forward's CTAs: batch x nheads x 128-row query tiles.
+int64_t sm90_ctas(const Problem& p) { return p.batch * p.nheads * ((p.seqlen_q + 127) / 128); }
+
+// Whether that grid fills at most 1 / kSm90SmallGridShare of the SMs over kSm90SmallGridMinKeys keys or more
+// (sm90_slower's small grid, which the sm80 forward runs with its keys split).
+bool sm90_grid_small(const Problem& p, int sm_count) {
+  return p.seqlen_k >= kSm90SmallGridMinKeys && sm90_ctas(p) * kSm90SmallGridShare <= std::max(sm_count, 1);
+}
+
 }  // namespace
 
 std::string head_dims_string(std::span<const int> dims) {
@@ -92,10 +101,8 @@ std::string sm90_rejection(const Problem& p, const DeviceProps& dev, const Built
 
 std::string sm90_slower(const Problem& p, const DeviceProps& dev) {
   if (p.batch <= 0) return {};
-  const int64_t sm90_ctas = p.batch * p.nheads * ((p.seqlen_q + 127) / 128);
-  if (p.dropout_p == 0.0f && p.seqlen_k >= kSm90SmallGridMinKeys &&
-      sm90_ctas * kSm90SmallGridShare <= std::max(dev.sm_count, 1)) {
-    return cat("the sm90 grid (", sm90_ctas, " CTAs) would leave most of the ", dev.sm_count, " SMs idle over ",
+  if (p.dropout_p == 0.0f && sm90_grid_small(p, dev.sm_count)) {
+    return cat("the sm90 grid (", sm90_ctas(p), " CTAs) would leave most of the ", dev.sm_count, " SMs idle over ",
                p.seqlen_k, " keys: the sm80 path splits the keys across CTAs");
   }
   if (!p.varlen) return {};
@@ -247,14 +254,10 @@ bool forward_on_decode_kernels(const Problem& p, flare_arch_path request, std::s
   if (chunks == 1) return true;
   const int64_t group = p.nheads / std::max<int64_t>(1, p.nheads_k);
   const int64_t q_tiles = (p.seqlen_q + 127) / 128;
-  const double forward_ctas = static_cast<double>(p.batch) * static_cast<double>(p.nheads * q_tiles);
-  double short_by = std::max(1.0, static_cast<double>(std::max(sm_count, 1)) / forward_ctas);
+  double short_by = std::max(1.0, static_cast<double>(std::max(sm_count, 1)) / static_cast<double>(sm90_ctas(p)));
   // Where the sm80 forward would split the keys instead (sm90_slower's small grid), the forward fills the GPU
   // too, and the allowance for its short grid stops at kPackedShortGridCap.
-  if (static_cast<double>(kSm90SmallGridShare) * forward_ctas <= static_cast<double>(std::max(sm_count, 1)) &&
-      p.seqlen_k >= kSm90SmallGridMinKeys) {
-    short_by = std::min(short_by, kPackedShortGridCap);
-  }
+  if (sm90_grid_small(p, sm_count)) short_by = std::min(short_by, kPackedShortGridCap);
   const int64_t cost = decode_tile(p, decode_tiles) > 128 ? kPackedWalkCostWide : kPackedWalkCost;
   return static_cast<double>(chunks * cost) <= static_cast<double>(group * q_tiles) * short_by;
 }
