@@ -4,7 +4,10 @@
 #
 #   bench/build_time.sh OUT.json [JOBS]        JOBS default: the number of cores
 # Environment: FLARE_CUTLASS_DIR (else CMake's own search), FLARE_COMMIT (recorded where there is no .git),
-#   BUILD_DIR (default: a new temp dir, removed afterwards), EXTRA_CMAKE_ARGS (e.g. "-DFLARE_ARCHS=90").
+#   BUILD_DIR (default: a new temp dir, removed afterwards), EXTRA_CMAKE_ARGS (e.g. "-DFLARE_ARCHS=90"),
+#   LIMIT_S (stop the build after this many seconds and still write the JSON, ok false; default: no limit).
+# With Ninja the JSON also lists the slowest units and when each started and ended (from .ninja_log), so a build
+# stopped by LIMIT_S still shows where its time went.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=${1:?usage: bench/build_time.sh OUT.json [JOBS]}
@@ -26,22 +29,40 @@ cmake "${args[@]}" >"$dir.configure.log" 2>&1 || { tail -20 "$dir.configure.log"
 t1=$(date +%s)
 echo "configured in $((t1 - t0)) s; building with $jobs jobs ..."
 rc=0
-cmake --build "$dir" -j "$jobs" >"$dir.build.log" 2>&1 || rc=$?
+limit=()
+[[ -n ${LIMIT_S:-} ]] && limit=(timeout "$LIMIT_S")
+"${limit[@]}" cmake --build "$dir" -j "$jobs" >"$dir.build.log" 2>&1 || rc=$?
 t2=$(date +%s)
 tail -3 "$dir.build.log"
 archs=$(grep -m1 '^FLARE_ARCHS' "$dir/CMakeCache.txt" | cut -d= -f2)
+threads=$(grep -m1 '^FLARE_NVCC_THREADS' "$dir/CMakeCache.txt" | cut -d= -f2)
 units=$(grep -c 'Building CUDA object' "$dir.build.log" || true)
 
-python3 - "$out" "$commit" "$((t1 - t0))" "$((t2 - t1))" "$jobs" "$archs" "$units" "$rc" "$(nproc)" \
-  "$(nvcc --version | tail -1)" "${args[*]}" "$dir.build.log" <<'PY'
-import json, sys, datetime, platform
-out, commit, conf, build, jobs, archs, units, rc, cores, nvcc, args, log = sys.argv[1:13]
+python3 - "$out" "$commit" "$((t1 - t0))" "$((t2 - t1))" "$jobs" "$archs" "$units" "$rc" "$(nproc)" "$threads" \
+  "$(nvcc --version | tail -1)" "${args[*]}" "$dir.build.log" "$dir/.ninja_log" "${LIMIT_S:-}" <<'PY'
+import json, os, sys, datetime, platform
+out, commit, conf, build, jobs, archs, units, rc, cores, threads, nvcc, args, log, ninja_log, limit = sys.argv[1:16]
 tail = open(log, errors="replace").read().splitlines()[-3:]
+# .ninja_log: "start_ms end_ms mtime output hash" per line, after a "# ninja log vN" header.
+steps = []
+if os.path.exists(ninja_log):
+    for line in open(ninja_log, errors="replace"):
+        f = line.split("\t")
+        if line.startswith("#") or len(f) < 4:
+            continue
+        steps.append({"unit": os.path.basename(f[3]).removesuffix(".o"), "start_s": int(f[0]) / 1000,
+                      "end_s": int(f[1]) / 1000})
+steps.sort(key=lambda x: x["start_s"] - x["end_s"])
+for x in steps:
+    x["wall_s"] = round(x["end_s"] - x["start_s"], 1)
 json.dump({"meta": {"commit": commit, "date": datetime.date.today().isoformat(), "host": platform.node(),
                     "cores": int(cores), "nvcc": nvcc, "command": f"cmake {args} && cmake --build -j {jobs}"},
-           "rows": [{"what": f"full build: FLARE_ARCHS={archs}, all head-dim tiles x fp16/bf16 x fwd/bwd + CPU backend",
+           "rows": [{"what": f"full build: FLARE_ARCHS={archs}, all head-dim tiles x fp16/bf16 x fwd/bwd + CPU backend"
+                             + (f", FLARE_NVCC_THREADS={threads}" if threads else ""),
                      "configure_s": int(conf), "build_s": int(build), "jobs": int(jobs),
-                     "cuda_units": int(units), "ok": rc == "0"}],
+                     "cuda_units": int(units), "ok": rc == "0",
+                     **({"stopped_after_s": int(limit)} if rc == "124" and limit else {})}],
+           "slowest_steps": steps[:20], "steps_finished": len(steps),
            "log_tail": tail}, open(out, "w"), indent=1)
 PY
 echo "build: $((t2 - t1)) s (exit $rc) -> $out"
