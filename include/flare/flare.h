@@ -375,7 +375,7 @@ FLARE_API int32_t flare_has_cuda(void);
  *                  (flare_cpu_isa() says which of them this machine runs)
  *   cuda           1 with a CUDA backend, else 0 (as flare_has_cuda())
  *   cuda_version   nvcc's version ("" without CUDA)
- *   cuda_archs     the compute capabilities of the sm80-path kernels, e.g. "80,86,89,90" ("" without CUDA)
+ *   cuda_archs     the compute capabilities of the sm80-path kernels, e.g. "80,90" ("" without CUDA)
  *   cuda_sm90      1 when the sm90a (Hopper) forward kernels are in, else 0
  *   cuda_headdims  the head dims with CUDA kernels, e.g. "64,128" ("" without CUDA)
  *   cuda_passes    the passes with CUDA kernels: "fwd,bwd", or one of them in a kernel-development build
