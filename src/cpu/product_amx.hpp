@@ -27,6 +27,9 @@ struct AmxProduct {
   // two blocks, 5-9% faster at head dims 128-512 (seqlens 2048-8192, causal or not, two threads); at head dim
   // 64 and on the race shapes one is level or 1-3% faster (docs/tuning-cpu.md).
   static constexpr int64_t kKeyBlocksPerStep = 2;
+  // Every bf16 backward runs on the tiles (DotProduct hands sequences of few query rows to the FMA engine;
+  // not measured with AMX).
+  static constexpr int64_t kBackwardFewQueries = 0;
   static int64_t key_blocks_for(const Problem& p) { return p.headdim >= 128 ? 2 : 1; }
 
   static void thread_begin() { amx_configure(); }

@@ -29,6 +29,11 @@ struct DotProduct {
   // there this measured 12-20% faster on one core (hd64 and hd128, non-causal), elsewhere the same; 4 was
   // no better.
   static constexpr int64_t kKeyBlocksPerStep = 2;
+  // Query rows per sequence up to which a bf16 backward runs on the FMA engine instead (isa_kernels.inc). With
+  // that few rows the pair products' k loops over query rows (dK += dS^T Q, dV += P^T dO) are one or two
+  // pairs long, and each pair stores a whole accumulator block: at FlashAttention's race shapes 3 x 799 and
+  // 1 x 239 the FMA engine ran faster (Zen 4, docs/tuning-cpu.md).
+  static constexpr int64_t kBackwardFewQueries = 8;
 
   // Nothing to set up per thread (AMX configures its tile registers here).
   static void thread_begin() {}
