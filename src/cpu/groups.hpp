@@ -77,8 +77,8 @@ inline void team_loop(int64_t n, F f) {
 // by group). The heads of a sequence share every row of the outputs (q, out, dq, dk, dv are (batch, seqlen,
 // heads, dim)), so with whole sequences per thread each output page is written by one thread: the first touch
 // of a fresh allocation (a page fault per 4 KB) never waits on another thread faulting the same page or page
-// table. At FlashAttention's race shapes (60 sequences x 4 heads) that cut fp32 3 x 799's backward from 79 to
-// 52 ms and 799 x 3's forward from 37 to 24 (Zen 4, 2 threads, docs/tuning-cpu.md).
+// table. It matters where writing the outputs is most of a call: FlashAttention's race shapes, few keys or few
+// queries per sequence (docs/tuning-cpu.md).
 inline int64_t batch_chunk(const Problem& p, int nt) {
   const bool equal_groups = !p.varlen && p.pass != Pass::kKvCache;
   return equal_groups && p.batch >= 4 * int64_t{nt} ? p.nheads_k : 1;
