@@ -50,11 +50,10 @@ if os.path.exists(ninja_log):
         f = line.split("\t")
         if line.startswith("#") or len(f) < 4:
             continue
-        steps.append({"unit": os.path.basename(f[3]).removesuffix(".o"), "start_s": int(f[0]) / 1000,
-                      "end_s": int(f[1]) / 1000})
-steps.sort(key=lambda x: x["start_s"] - x["end_s"])
-for x in steps:
-    x["wall_s"] = round(x["end_s"] - x["start_s"], 1)
+        start, end = int(f[0]) / 1000, int(f[1]) / 1000
+        steps.append({"unit": os.path.basename(f[3]).removesuffix(".o"), "start_s": start, "end_s": end,
+                      "wall_s": round(end - start, 1)})
+steps.sort(key=lambda x: -x["wall_s"])
 json.dump({"meta": {"commit": commit, "date": datetime.date.today().isoformat(), "host": platform.node(),
                     "cores": int(cores), "nvcc": nvcc, "command": f"cmake {args} && cmake --build -j {jobs}"},
            "rows": [{"what": f"full build: FLARE_ARCHS={archs}, all head-dim tiles x fp16/bf16 x fwd/bwd + CPU backend"
