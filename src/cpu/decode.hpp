@@ -9,8 +9,10 @@
 //     0.3x the copy bandwidth.)
 //   - GQA heads packed: the nheads / nheads_k query heads sharing a kv head (x seqlen_q rows, R in all) run
 //     together, each vector of a K or V row loaded once and used for four rows (decode_tiles.hpp);
-//   - bf16 rows widened as they are loaded and fp32 rows read in place; fp16 rows, and head dims that are
-//     not a whole number of vectors, go through an fp32 stage of kDecodeChunk rows;
+//   - bf16 rows read in place: on vdpbf16ps where the processor has AVX512_BF16 and the head dims are
+//     multiples of 32 (P rounded to bf16, as the bf16 forward rounds it), else widened to fp32 as they are
+//     loaded; fp32 rows read in place; fp16 rows, and head dims that are not a whole number of vectors, go
+//     through an fp32 stage of kDecodeChunk rows;
 //   - split-KV: with fewer (sequence, head block) items than about two per thread, each sequence's keys are
 //     cut into splits that run on different cores; each split keeps its own output and lse, merged at the end
 //     through the same LSE merge as flare_merge_states (merge_rows.hpp).
@@ -44,6 +46,8 @@ struct DecodeScratch {
     float *m, *l;     // per head of the item: the R rows' running max and sum
     float* s;         // R x kDecodeChunk scores of one head
     RowPtr *krows, *vrows;  // per head of the item: where its K and V rows lie
+    uint16_t* qb;     // DecodeTiles::kDot: per head of the item, R query rows in bf16 (dp)
+    uint16_t* pb;     // DecodeTiles::kDot: the R rows of s rounded to bf16
   };
   PerThread* threads = nullptr;
   // splits > 1: per (b, hk, split) the split's normalised output (R x dvp) and lse (R).
@@ -63,7 +67,8 @@ struct DecodeScratch {
     for (int t = 0; t < nt; ++t) {
       PerThread pt{a.take<float>(C * dp), a.take<float>(C * dvp), a.take<float>(heads * rows * dp),
                    a.take<float>(heads * rows * dvp), a.take<float>(heads * rows), a.take<float>(heads * rows),
-                   a.take<float>(rows * C), a.take<RowPtr>(heads), a.take<RowPtr>(heads)};
+                   a.take<float>(rows * C), a.take<RowPtr>(heads), a.take<RowPtr>(heads),
+                   a.take<uint16_t>(heads * rows * dp), a.take<uint16_t>(rows * C)};
       if (threads) threads[t] = pt;
     }
     if (splits > 1) {
@@ -225,12 +230,18 @@ inline void softmax_chunk_row(const Problem& p, const Sequence& seq, const polic
   m = m_new;
 }
 
+// Which tiles of decode_tiles.hpp an item runs on (run_decode picks):
+//   kWiden  fp32 rows, bf16 rows widened on load, or the fp32 stage: every dtype, every head dim;
+//   kSplit  bf16 rows read in place split into even and odd elements (AVX-512, head dims multiples of 32):
+//           q and o are held in that order, and o is joined again at the end;
+//   kDot    bf16 rows on vdpbf16ps (AVX512_BF16, head dims multiples of 32): q held in bf16, P rounded to
+//           bf16, o held in dot order and joined at the end.
+enum class DecodeTiles { kWiden, kSplit, kDot };
+
 // One item: keys [j0, j1) of one sequence for kv heads [hk0, hk0 + nh), against their R query rows each.
 // Leaves each row's unnormalised output in t.o and its running max and sum in t.m, t.l (head h's rows at
-// h * R). RT: how K and V rows are read (chunk_rows). kSplit (bf16 rows read in place, head dims multiples of
-// 32, AVX-512): the tiles take K and V rows split into even and odd elements (decode_tiles.hpp), q and o are
-// held in that order, and o is joined again at the end.
-template <class RT, bool kSplit = false>
+// h * R). RT: how K and V rows are read (chunk_rows); kTiles: the tiles that do the arithmetic.
+template <class RT, DecodeTiles kTiles = DecodeTiles::kWiden>
 inline void decode_item(const Problem& p, const DecodeScratch& ws, const DecodeScratch::PerThread& t,
                         const Sequence& seq, int64_t hk0, int64_t nh, int64_t j0, int64_t j1) {
   using V = vec_t<float>;
@@ -246,7 +257,10 @@ inline void decode_item(const Problem& p, const DecodeScratch& ws, const DecodeS
       load_row<float>(query_rows(p, p.q, seq, (hk0 + h) * group + g).row(i), p.dtype, q, p.headdim, 1.0f);
       for (int64_t c = p.headdim; c < dp; ++c) q[c] = 0.0f;
 #if defined(__AVX512F__) && FLARE_VEC_BYTES == 64
-      if constexpr (kSplit) split_row(q, dp);
+      if constexpr (kTiles == DecodeTiles::kSplit) split_row(q, dp);
+#endif
+#if defined(__AVX512BF16__)
+      if constexpr (kTiles == DecodeTiles::kDot) round_to_bf16(q, t.qb + (h * R + r) * dp, dp);  // exact: q is bf16
 #endif
       t.m[h * R + r] = -std::numeric_limits<float>::infinity();
       t.l[h * R + r] = 0.0f;
@@ -282,31 +296,38 @@ inline void decode_item(const Problem& p, const DecodeScratch& ws, const DecodeS
       // step, was slower.
       prefetch.begin_step(smin(jc + C + C * h / nh, j1), smin(jc + C + C * (h + 1) / nh, j1));
       chunk_rows(p, krows[h], jc, n, p.headdim, dp, t.k, kp);
+      if constexpr (kTiles == DecodeTiles::kSplit) {
 #if defined(__AVX512F__) && FLARE_VEC_BYTES == 64
-      if constexpr (kSplit) {
         score_block_split(q, dp, R, kp, n, dp, scale, t.s, C, prefetch);
+#endif
+      } else if constexpr (kTiles == DecodeTiles::kDot) {
+#if defined(__AVX512BF16__)
+        score_block_dot(t.qb + h * R * dp, dp, R, kp, n, dp, scale, t.s, C, prefetch);
+#endif
       } else {
         score_block(q, dp, R, kp, n, dp, scale, t.s, C, prefetch);
       }
-#else
-      score_block(q, dp, R, kp, n, dp, scale, t.s, C, prefetch);
-#endif
       for (int64_t r = 0; r < R; ++r)
         softmax_chunk_row(p, seq, mask, hk * group + r / seq.seqlen_q, r % seq.seqlen_q, jc, n, masked,
                           t.s + r * C, t.m[h * R + r], t.l[h * R + r], o + r * dvp, dvp);
+#if defined(__AVX512BF16__)
+      if constexpr (kTiles == DecodeTiles::kDot) round_to_bf16(t.s, t.pb, R * C);
+#endif
       chunk_rows(p, vrows[h], jc, n, p.headdim_v, dvp, t.v, vp);
       // O += P V for kRows rows from r over the chunk's keys [a, b): the split tiles or the widening ones.
       const auto add_values = [&](auto rows, int64_t r, int64_t a, int64_t b) {
         constexpr int kRows = decltype(rows)::value;
+        if constexpr (kTiles == DecodeTiles::kSplit) {
 #if defined(__AVX512F__) && FLARE_VEC_BYTES == 64
-        if constexpr (kSplit) {
           accumulate_pv_split<kRows>(t.s + r * C, C, vp, a, b, o + r * dvp, dvp, dvp, prefetch);
+#endif
+        } else if constexpr (kTiles == DecodeTiles::kDot) {
+#if defined(__AVX512BF16__)
+          accumulate_pv_dot<kRows>(t.pb + r * C, C, vp, a, b, o + r * dvp, dvp, dvp, prefetch);
+#endif
         } else {
           accumulate_pv<kRows>(t.s + r * C, C, vp, a, b, o + r * dvp, dvp, dvp, prefetch);
         }
-#else
-        accumulate_pv<kRows>(t.s + r * C, C, vp, a, b, o + r * dvp, dvp, dvp, prefetch);
-#endif
       };
       if (!masked) {
         int64_t r = 0;
@@ -322,8 +343,12 @@ inline void decode_item(const Problem& p, const DecodeScratch& ws, const DecodeS
     }
   }
 #if defined(__AVX512F__) && FLARE_VEC_BYTES == 64
-  if constexpr (kSplit)
+  if constexpr (kTiles == DecodeTiles::kSplit)
     for (int64_t x = 0; x < nh * R; ++x) join_split_row(t.o + x * dvp, dvp);
+#endif
+#if defined(__AVX512BF16__)
+  if constexpr (kTiles == DecodeTiles::kDot)
+    for (int64_t x = 0; x < nh * R; ++x) join_dot_row(t.o + x * dvp, dvp);
 #endif
 }
 
@@ -342,8 +367,8 @@ inline void run_decode(const Problem& p, void* scratch, int nt) {
   ws.layout(arena, p, nt);
   const int64_t R = ws.rows, S = ws.splits, dvp = ws.dvp, HB = ws.head_blocks, items = p.batch * HB * S;
   const bool in_place = decode_reads_in_place(p);
-  const bool split_pairs = kDecodeSplitsPairs && in_place && p.dtype == FLARE_DTYPE_BF16 && p.headdim % 32 == 0 &&
-                     p.headdim_v % 32 == 0;
+  const bool bf16_in_32s =
+      in_place && p.dtype == FLARE_DTYPE_BF16 && p.headdim % 32 == 0 && p.headdim_v % 32 == 0;
   constexpr float kInf = std::numeric_limits<float>::infinity();
   on_team(nt, [&]() {
     const DecodeScratch::PerThread& t = ws.threads[omp_get_thread_num()];
@@ -358,8 +383,10 @@ inline void run_decode(const Problem& p, void* scratch, int nt) {
       const int64_t first = smax<int64_t>(seen.first, 0), end = smin(seen.last + 1, seq.seqlen_k);
       const int64_t len = smax<int64_t>(end - first, 0), per = (len + S - 1) / S;
       const int64_t j0 = first + smin(split * per, len), j1 = first + smin((split + 1) * per, len);
-      if (split_pairs) {
-        decode_item<uint16_t, true>(p, ws, t, seq, hk0, nh, j0, j1);
+      if (kDecodeDotPairs && bf16_in_32s) {
+        decode_item<uint16_t, DecodeTiles::kDot>(p, ws, t, seq, hk0, nh, j0, j1);
+      } else if (kDecodeSplitsPairs && bf16_in_32s) {
+        decode_item<uint16_t, DecodeTiles::kSplit>(p, ws, t, seq, hk0, nh, j0, j1);
       } else if (in_place && p.dtype == FLARE_DTYPE_BF16) {
         decode_item<uint16_t>(p, ws, t, seq, hk0, nh, j0, j1);
       } else {

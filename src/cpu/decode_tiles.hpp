@@ -10,6 +10,9 @@
 #include <utility>
 
 #include "cpu/simd.hpp"
+#if defined(__AVX512BF16__)
+#include "cpu/dot_bf16.hpp"
+#endif
 
 namespace flare::cpu::FLARE_ISA {
 
@@ -315,6 +318,129 @@ inline void accumulate_pv_split(const float* p, int64_t ldp, const uint16_t* con
 }
 #else
 constexpr bool kDecodeSplitsPairs = false;
+#endif
+
+#if defined(__AVX512BF16__)
+// ---- bf16 rows on bf16 dot products (AVX512_BF16) --------------------------------------------------------
+//
+// vdpbf16ps adds two bf16 products to each fp32 lane: 32 multiply-adds per instruction against an FMA's 16,
+// with no widening at all. On two Zen 4 cores the widening FMA tiles above ran a bf16 decode at about 25 GB/s
+// of cache with the cache in L3, no faster than memory: the pass was bound by its arithmetic, not by reading.
+//   Q·K: a q row and a key row read as pair words are already pairs along the head dim: acc += dot(q, k),
+//        folded per key as score_tile's are. q is kept in bf16 (it is bf16 in the call).
+//   P·V: pairs along the keys: two value rows j, j + 1 interleaved (vpunpcklwd / vpunpckhwd, within each
+//        128-bit lane) against the pair word (p_j, p_j+1) broadcast. P is rounded to bf16 for it, as the bf16
+//        forward rounds it (and FlashAttention on the GPU); the row sum l stays the fp32 sum.
+// The interleave leaves each 32 output columns in "dot order": the low accumulator holds columns
+// 0-3, 8-11, 16-19, 24-27, the high one 4-7, 12-15, 20-23, 28-31; join_dot_row restores the order once per
+// item.
+constexpr bool kDecodeDotPairs = true;
+
+inline vec_t<float> dot_madd(vec_t<float> acc, __m512i a, __m512i b) {
+  return static_cast<vec_t<float>>(Bf16PairOps::madd(static_cast<__m512>(acc), a, b));
+}
+
+// Row x (n floats, a multiple of 32) from dot order back to column order.
+inline void join_dot_row(float* x, int64_t n) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  permute_row_blocks(x, n, first, _mm512_add_epi32(first, _mm512_set1_epi32(8)));
+}
+
+// Scores of kRows bf16 query rows (ldq elements apart) against 16 / kRows bf16 key rows, head dim d (a
+// multiple of 32): s[r * lds + j] = scale * q_r · k_j.
+template <int kRows>
+inline void score_tile_dot(const uint16_t* q, int64_t ldq, const uint16_t* const* k, int64_t d, float scale,
+                           float* s, int64_t lds) {
+  using V = vec_t<float>;
+  constexpr int kKeys = 16 / kRows;
+  V acc[16] = {};
+  for (int64_t c = 0; c < d; c += 32) {
+    __m512i kv[kKeys];
+#pragma GCC unroll 16
+    for (int j = 0; j < kKeys; ++j) kv[j] = _mm512_loadu_si512(k[j] + c);
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      const __m512i qv = _mm512_loadu_si512(q + r * ldq + c);
+#pragma GCC unroll 16
+      for (int j = 0; j < kKeys; ++j) acc[r * kKeys + j] = dot_madd(acc[r * kKeys + j], qv, kv[j]);
+    }
+  }
+  const V sums = lane_sums(acc) * scale;
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < kKeys; ++j) s[r * lds + j] = sums[r * kKeys + j];
+}
+
+// score_block on bf16 query and key rows (d a multiple of 32; k padded as score_block's).
+template <class Between = NoPrefetch>
+inline void score_block_dot(const uint16_t* q, int64_t ldq, int64_t rows, const uint16_t* const* k, int64_t n,
+                            int64_t d, float scale, float* s, int64_t lds, Between&& between = {}) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4)
+    for (int64_t j = 0; j < n; j += 4) {
+      between();
+      score_tile_dot<4>(q + r * ldq, ldq, k + j, d, scale, s + r * lds + j, lds);
+    }
+  for (; r < rows; ++r)
+    for (int64_t j = 0; j < n; j += 16) {
+      between();
+      score_tile_dot<1>(q + r * ldq, ldq, k + j, d, scale, s + r * lds + j, lds);
+    }
+}
+
+// o_r += sum_j p_r[j] v_j for kRows rows over keys [j0, j1), p as bf16 rows (ldp apart), o in dot order (dv a
+// multiple of 32). Keys go in pairs from j0; an odd count's last key is paired with a zero row and p 0, so no
+// value outside [j0, j1) is read (one there may be NaN: an unseen key). between(): before each pass.
+template <int kRows, class Between = NoPrefetch>
+inline void accumulate_pv_dot(const uint16_t* p, int64_t ldp, const uint16_t* const* v, int64_t j0, int64_t j1,
+                              float* o, int64_t ldo, int64_t dv, Between&& between = {}) {
+  using V = vec_t<float>;
+  constexpr int kBlocks = 2;  // kRows x 2 kBlocks accumulators + 2 kBlocks interleaved values in registers
+  const auto pass = [&](int64_t c, auto blocks) {
+    constexpr int B = decltype(blocks)::value;
+    between();
+    V acc[kRows][2 * B];
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 4
+      for (int x = 0; x < 2 * B; ++x) acc[r][x] = vload(o + r * ldo + c + 16 * x);
+    // Keys j and j + 1 (second: whether j + 1 is one of them).
+    const auto step = [&](int64_t j, bool second) {
+      __m512i lo[B], hi[B];
+#pragma GCC unroll 2
+      for (int x = 0; x < B; ++x) {
+        const __m512i a = _mm512_loadu_si512(v[j] + c + 32 * x);
+        const __m512i b = second ? _mm512_loadu_si512(v[j + 1] + c + 32 * x) : _mm512_setzero_si512();
+        lo[x] = _mm512_unpacklo_epi16(a, b);
+        hi[x] = _mm512_unpackhi_epi16(a, b);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r) {
+        uint32_t word = p[r * ldp + j];
+        if (second) word |= uint32_t{p[r * ldp + j + 1]} << 16;
+        const __m512i w = _mm512_set1_epi32(static_cast<int>(word));
+#pragma GCC unroll 4
+        for (int x = 0; x < B; ++x) {
+          acc[r][2 * x] = dot_madd(acc[r][2 * x], w, lo[x]);
+          acc[r][2 * x + 1] = dot_madd(acc[r][2 * x + 1], w, hi[x]);
+        }
+      }
+    };
+    int64_t j = j0;
+    for (; j + 2 <= j1; j += 2) step(j, true);
+    if (j < j1) step(j, false);
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 4
+      for (int x = 0; x < 2 * B; ++x) vstore(o + r * ldo + c + 16 * x, acc[r][x]);
+  };
+  int64_t c = 0;
+  for (; c + 32 * kBlocks <= dv; c += 32 * kBlocks) pass(c, std::integral_constant<int, kBlocks>{});
+  for (; c < dv; c += 32) pass(c, std::integral_constant<int, 1>{});
+}
+#else
+constexpr bool kDecodeDotPairs = false;
 #endif
 
 }  // namespace flare::cpu::FLARE_ISA

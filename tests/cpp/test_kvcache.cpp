@@ -454,6 +454,37 @@ TEST(KvCache, DecodeSplitCounts) {
   }
 }
 
+// bf16 caches whose head dims are multiples of 32 take the decode path's dot-product tiles where the processor
+// has AVX512_BF16 (P rounded to bf16, keys taken in pairs from any first key): 4 and 3 query rows per kv head
+// (whole and partial four-row tiles), causal chunks of several query rows (each row its own key range, odd
+// ones included), windows, paged blocks of 7, and splits.
+TEST(KvCache, DecodeBf16HeadDimsOf32) {
+  Rng rng;
+  const std::pair<int64_t, int64_t> dims[] = {{64, 96}, {128, 128}, {32, 64}};
+  for (const auto& [d, dv] : dims) {
+    for (int32_t splits : {1, 3}) {
+      for (int64_t group : {4, 3}) {
+        KvCase c;
+        c.dtype = FLARE_DTYPE_BF16;
+        c.batch = 2;
+        c.nheads_k = 2;
+        c.nheads = 2 * group;
+        c.headdim = d;
+        c.headdim_v = dv;
+        c.capacity = 301;
+        c.num_splits = splits;
+        check_kvcache(c, rng);
+        c.seqlen_q = 3;
+        c.seqlen_new = 3;
+        c.causal = true;
+        c.window_left = 45;
+        c.block_size = 7;
+        check_kvcache(c, rng);
+      }
+    }
+  }
+}
+
 // Learnable sinks on both paths (decode: split parts merged before the sink joins; the forward's tiles for
 // long query chunks), with rows that see no key (window 0 and leftpad) getting out = 0 and lse = sink.
 TEST(KvCache, Sinks) {

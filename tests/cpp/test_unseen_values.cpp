@@ -139,11 +139,14 @@ TEST(UnseenValues, WindowMaskedKeys) {
 
 // A KV cache: sequences of `lengths` keys in a dense cache of 64 slots or a paged one of blocks of 16; every
 // slot past a sequence's keys (and every block it does not use) holds NaN in K and V. k_new appends 2 keys.
-// With window_left, key `bad` of every sequence holds NaN in V and infinity in K as well.
-void kvcache_case(flare_dtype dtype, bool paged, int64_t seqlen_q, int32_t window_left, int64_t bad) {
+// With window_left, key `bad` of every sequence (bad < 0: its key lengths[b] + bad) holds NaN in V and infinity
+// in K as well.
+void kvcache_case(flare_dtype dtype, bool paged, int64_t seqlen_q, int32_t window_left, int64_t bad,
+                  int64_t dim = 16) {
   SCOPED_TRACE(std::string(dtype == FLARE_DTYPE_F32 ? "f32" : "bf16") + (paged ? " paged" : " dense") +
-               " seqlen_q " + std::to_string(seqlen_q) + " window_left " + std::to_string(window_left));
-  const int64_t batch = 2, heads = 4, heads_k = 2, dim = 16, slots = 64, block = 16, blocks = 10, fresh = 2;
+               " seqlen_q " + std::to_string(seqlen_q) + " window_left " + std::to_string(window_left) +
+               " dim " + std::to_string(dim));
+  const int64_t batch = 2, heads = 4, heads_k = 2, slots = 64, block = 16, blocks = 10, fresh = 2;
   const std::vector<int32_t> lengths{20, 37};
   const std::vector<int32_t> table{7, 2, 9, 0, 4, 6, 1, 8};  // (batch, 4): blocks 3 and 5 unused
   const int64_t rows = paged ? blocks : batch, cols = paged ? block : slots;
@@ -163,8 +166,9 @@ void kvcache_case(flare_dtype dtype, bool paged, int64_t seqlen_q, int32_t windo
   }
   if (window_left >= 0) {
     for (int64_t b = 0; b < batch; ++b) {
-      fill_row(vc, slot(b, bad), heads_k * dim, kNaN);
-      fill_row(kc, slot(b, bad), heads_k * dim, kInf);
+      const int64_t key = bad < 0 ? lengths[b] + bad : bad;
+      fill_row(vc, slot(b, key), heads_k * dim, kNaN);
+      fill_row(kc, slot(b, key), heads_k * dim, kInf);
     }
   }
   flare_kvcache_params p;
@@ -199,6 +203,7 @@ TEST(UnseenValues, KvCacheSlotsPastCacheSeqlens) {
   for (flare_dtype dtype : kDtypes) {
     kvcache_case(dtype, false, 3, -1, 0);
     kvcache_case(dtype, true, 3, -1, 0);  // unused slots of the last page, and unused blocks
+    kvcache_case(dtype, true, 1, -1, 0, 64);  // a decode step; sequences of 22 and 39 keys (an odd last pair)
   }
 }
 
@@ -207,6 +212,9 @@ TEST(UnseenValues, KvCacheKeysOutsideTheWindow) {
     for (bool paged : {false, true}) {
       kvcache_case(dtype, paged, 1, 8, 5);  // a decode step: key 5 is far behind the window
       kvcache_case(dtype, paged, 4, 8, 5);
+      // Head dim 64 (bf16: the decode path's dot-product tiles, which take keys in pairs): the last cached key
+      // is seen by rows 1.. only, and row 0's window of 9 keys ends just before it, on an odd last pair.
+      kvcache_case(dtype, paged, 4, 8, -1, 64);
     }
   }
 }
