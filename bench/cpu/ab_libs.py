@@ -3,7 +3,13 @@
 (batch 60 x 4 heads x head dim 64, non-causal), each pair timed interleaved (a, b, a, b, ...; median of
 --runs), and whether the two builds' outputs are bitwise equal. Topic cpu-ab.
 
+--decode instead: the KV-cache decode step of bench_decode.py (1 query token, 32 q heads over 8 kv heads, head
+dim 128, dense full cache) at batch 1 over 1K keys with one copy of the cache (it stays in the last-level
+cache: the pass's arithmetic rate), and batch 1 / 4 over 8K and 32K keys reading the next of copies that add up
+to at least 1 GiB (memory); GB/s of cache read, and the largest difference between the two builds' outputs.
+
   python3 bench/cpu/ab_libs.py OLD.so NEW.so --out bench/results/cpu-ab-<date>-<sha>.json
+  python3 bench/cpu/ab_libs.py OLD.so NEW.so --decode --dtypes bf16 --runs 40 --out ...
 """
 
 import argparse
@@ -18,6 +24,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parents[1] / "python")]
 
 import meta  # noqa: E402
+import bench_decode  # noqa: E402
 from bench_cpu import RACE_BATCH, RACE_HEADDIM, RACE_HEADS, RACE_SEQLENS, FlareRunner  # noqa: E402
 from flare._capi import Flare  # noqa: E402
 
@@ -32,10 +39,56 @@ def main():
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "fp16"])
+    ap.add_argument("--decode", action="store_true", help="decode steps instead of the race shapes")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     libs = [Flare(args.old), Flare(args.new)]
     gen = torch.Generator().manual_seed(0)
+    rows = decode_rows(libs, args, gen) if args.decode else race_rows(libs, args, gen)
+    doc = {"meta": {**meta.provenance(__file__), "device": meta.cpu_description(), "threads": args.threads,
+                    "libs": {"old": str(args.old), "new": str(args.new)}, "runs": args.runs},
+           "rows": rows}
+    meta.write_result(args.out, doc)
+    print(f"wrote {args.out}")
+
+
+# (batch, keys, MiB the cache copies add up to at least; 0: one copy)
+DECODE_SHAPES = [(1, 1024, 0), (1, 8192, 1024), (1, 32768, 1024), (4, 8192, 1024)]
+
+
+def decode_rows(libs, args, gen):
+    rows = []
+    for dtype_name in args.dtypes:
+        dtype = DTYPES[dtype_name]
+        for batch, keys, rotate_mib in DECODE_SHAPES:
+            nbytes = bench_decode.kv_bytes(batch, keys, dtype)
+            copies = max(1, -(-rotate_mib * 2 ** 20 // nbytes))
+            q = torch.randn(batch, 1, bench_decode.NHEADS, bench_decode.HEADDIM, generator=gen).to(dtype)
+            caches = [tuple(torch.randn(batch, keys, bench_decode.NHEADS_K, bench_decode.HEADDIM,
+                                        generator=gen).to(dtype) for _ in range(2)) for _ in range(copies)]
+            runners = [bench_decode.FlareDecode(lib, q, caches, args.threads, 0) for lib in libs]
+            for r in runners:
+                r()
+            diff = (runners[0].out.float() - runners[1].out.float()).abs().max().item()
+            times = [[], []]
+            for _ in range(args.runs):
+                for i, r in enumerate(runners):
+                    t0 = time.perf_counter()
+                    r()
+                    times[i].append((time.perf_counter() - t0) * 1e3)
+            old_ms, new_ms = (statistics.median(t) for t in times)
+            rows.append({"pass": "decode", "dtype": dtype_name, "batch": batch, "seqlen_q": 1, "seqlen_k": keys,
+                         "nheads": bench_decode.NHEADS, "nheads_k": bench_decode.NHEADS_K,
+                         "headdim": bench_decode.HEADDIM, "cache_copies": copies,
+                         "old_ms": round(old_ms, 4), "new_ms": round(new_ms, 4),
+                         "old_gbps": round(nbytes / old_ms * 1e-6, 2), "new_gbps": round(nbytes / new_ms * 1e-6, 2),
+                         "speedup": round(old_ms / new_ms, 3), "max_abs_diff": float(f"{diff:.3e}")})
+            print(f"decode {dtype_name} batch {batch} x {keys} keys ({copies} copies): old {old_ms:.3f} new "
+                  f"{new_ms:.3f} ms  x{old_ms / new_ms:.2f}  max diff {diff:.2e}", flush=True)
+    return rows
+
+
+def race_rows(libs, args, gen):
     rows = []
     for dtype_name in args.dtypes:
         for sq, sk in RACE_SEQLENS:
@@ -61,11 +114,7 @@ def main():
                              "speedup": round(old_ms / new_ms, 3), "bitwise_equal": equal})
                 print(f"{pass_} {dtype_name} {sq}x{sk}: old {old_ms:.2f} new {new_ms:.2f} ms  x{old_ms / new_ms:.2f}"
                       f"  bitwise-equal {equal}", flush=True)
-    doc = {"meta": {**meta.provenance(__file__), "device": meta.cpu_description(), "threads": args.threads,
-                    "libs": {"old": str(args.old), "new": str(args.new)}, "runs": args.runs},
-           "rows": rows}
-    meta.write_result(args.out, doc)
-    print(f"wrote {args.out}")
+    return rows
 
 
 if __name__ == "__main__":
