@@ -10,8 +10,13 @@
 #include <utility>
 
 #include "cpu/simd.hpp"
-#if defined(__AVX512BF16__)
+
+// Whether this unit has the dot-product tiles (below): AVX512_BF16 without AMX.
+#if defined(__AVX512BF16__) && !defined(__AMX_TILE__)
+#define FLARE_DECODE_DOT_TILES 1
 #include "cpu/dot_bf16.hpp"
+#else
+#define FLARE_DECODE_DOT_TILES 0
 #endif
 
 namespace flare::cpu::FLARE_ISA {
@@ -320,12 +325,15 @@ inline void accumulate_pv_split(const float* p, int64_t ldp, const uint16_t* con
 constexpr bool kDecodeSplitsPairs = false;
 #endif
 
-#if defined(__AVX512BF16__)
-// ---- bf16 rows on bf16 dot products (AVX512_BF16) --------------------------------------------------------
+#if FLARE_DECODE_DOT_TILES
+// ---- bf16 rows on bf16 dot products (AVX512_BF16 without AMX: Zen 4/5) -----------------------------------
 //
 // vdpbf16ps adds two bf16 products to each fp32 lane: 32 multiply-adds per instruction against an FMA's 16,
 // with no widening at all. On two Zen 4 cores the widening FMA tiles above ran a bf16 decode at about 25 GB/s
-// of cache with the cache in L3, no faster than memory: the pass was bound by its arithmetic, not by reading.
+// of cache with the cache in L3, no faster than memory: the pass was bound by its arithmetic, not by reading;
+// these tiles compute it about 1.3x as fast. Not on the AMX level: on the Xeon with AMX vdpbf16ps retired one
+// per ~2 cycles against two FMAs per cycle, and a dot-product decode computed 15.5 GB/s of an L2-resident
+// cache against the FMA tiles' 17.7 (docs/tuning-cpu.md).
 //   Q·K: a q row and a key row read as pair words are already pairs along the head dim: acc += dot(q, k),
 //        folded per key as score_tile's are. q is kept in bf16 (it is bf16 in the call).
 //   P·V: pairs along the keys: two value rows j, j + 1 interleaved (vpunpcklwd / vpunpckhwd, within each
@@ -390,8 +398,10 @@ inline void score_block_dot(const uint16_t* q, int64_t ldq, int64_t rows, const 
 }
 
 // o_r += sum_j p_r[j] v_j for kRows rows over keys [j0, j1), p as bf16 rows (ldp apart), o in dot order (dv a
-// multiple of 32). Keys go in pairs from j0; an odd count's last key is paired with a zero row and p 0, so no
-// value outside [j0, j1) is read (one there may be NaN: an unseen key). between(): before each pass.
+// multiple of 32). Keys go in pairs from j0, p's as one 32-bit load; an odd count's last key is paired with a
+// zero row, so no value outside [j0, j1) is read (one there may be NaN: an unseen key), and the p element
+// after it is read but meets zeros: it must be finite and readable (p_r[j1] may be the next row's first, or
+// one element past the last row). between(): before each pass.
 template <int kRows, class Between = NoPrefetch>
 inline void accumulate_pv_dot(const uint16_t* p, int64_t ldp, const uint16_t* const* v, int64_t j0, int64_t j1,
                               float* o, int64_t ldo, int64_t dv, Between&& between = {}) {
@@ -417,8 +427,8 @@ inline void accumulate_pv_dot(const uint16_t* p, int64_t ldp, const uint16_t* co
       }
 #pragma GCC unroll 4
       for (int r = 0; r < kRows; ++r) {
-        uint32_t word = p[r * ldp + j];
-        if (second) word |= uint32_t{p[r * ldp + j + 1]} << 16;
+        uint32_t word;  // (p_j, p_j+1); without a second key its half meets the zero row
+        std::memcpy(&word, p + r * ldp + j, sizeof(word));
         const __m512i w = _mm512_set1_epi32(static_cast<int>(word));
 #pragma GCC unroll 4
         for (int x = 0; x < B; ++x) {

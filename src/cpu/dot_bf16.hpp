@@ -1,6 +1,6 @@
 // dot_bf16.hpp — bf16 matrix products on AVX512_BF16 dot products (vdpbf16ps), for processors without AMX.
-// Included by the translation units compiled with -mavx512bf16: isa_avx512bf16.cpp (its bf16 engine) and, for
-// the decode path's tiles alone (decode_tiles.hpp), isa_amx.cpp.
+// Included only by isa_avx512bf16.cpp (compiled with -mavx512bf16): its bf16 engine and the decode path's
+// dot-product tiles (decode_tiles.hpp).
 //
 // vdpbf16ps adds to each fp32 lane i the two products a[2i] b[2i] + a[2i+1] b[2i+1] of bf16 pairs: one step
 // of the reduction dimension K is a pair of bf16 held in one 32-bit word. The register blocking is
