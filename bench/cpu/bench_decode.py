@@ -12,17 +12,21 @@ tbps = KV bytes read per second = batch * kv_len * nheads_k * (headdim + headdim
 Ceilings, measured in the same run on the same threads before the rows: copy_tbps, a copy of a 1 GiB buffer
 (bytes read + bytes written per second, as BENCH.md's GPU copy ceiling counts them), and read_tbps, a sum
 over a 1 GiB buffer (bytes read per second: what a decode, which only reads, could reach). Each row carries
-copy_ratio = tbps / copy_tbps.
+copy_ratio = tbps / copy_tbps, and row_copy_ratio (below).
 
 Timing: time.perf_counter around each call, one warm-up, then 3..--max-runs rounds (as many as fit in about
---budget-s per implementation). Each round runs flare twice in a row, then torch twice: the first call of each
-pair follows the other implementation's calls, the second its own. ms (and tbps, copy_ratio) is the median of
-the second calls: the state the copy ceiling is measured in (back-to-back copies) and a decode loop's (the same
-call on every layer). ms_after_peer is the median of the first calls: on the 2-core Zen 4 machine the first
-flare call after any 0.3 s of other work (torch's 300 ms SDPA call, a matmul, or a sleep) read its cache
-15-25% slower than the calls after it, recovering over 2-4 calls (docs/tuning-cpu.md). Both implementations are
-timed alike. Every call reads the next of several copies of the cache, together at least --rotate-mib, so that
-the last-level cache does not flatter small caches.
+--budget-s per implementation). In each round flare, a copy of the ceiling's buffers and torch in turn each
+run back to back for at least WARM_S (at least once), then once more, timed: ms (and tbps, copy_ratio) is the
+median of those calls, made in the state the copy ceiling is measured in (back-to-back copies) and a decode
+step's (attention between the layers' weight reads keeps the memory busy). ms_after_peer is the median of each
+round's first call (flare's right after torch's). On the 2-core Zen 4 machine memory read slowly for the first
+~10 ms after idle or compute-bound work: after 0.3 s of sleep the first 1.8 ms decode call read 15.5 GB/s and
+the ones after it 22-25, after 0.3 s of a torch matmul 22.7 then 25-26, after 0.3 s of streaming reads 23-25
+from the first call on (docs/tuning-cpu.md). torch's SDPA calls, tens to thousands of ms long, are timed the
+same way. Every call reads the next of several copies of the cache, together at least --rotate-mib, so that
+the last-level cache does not flatter small caches. The copy timed in the rounds gives the row's own ceiling,
+row_copy_tbps, and row_copy_ratio = tbps / row_copy_tbps: this VM's copy bandwidth moved between 28 and 47
+GB/s from one minute to the next, so a ceiling measured once before the rows can be from another phase.
 Before timing, flare's output is checked against torch SDPA on fp32 copies (within 2x torch's own error plus
 a small tolerance) or the run stops.
 
@@ -58,6 +62,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOL = {"fp32": 1e-4, "bf16": 1e-2}  # accuracy gate, as in bench_cpu.py
 GIB = 1024.0 ** 3
 CEILING_BYTES = 1 << 30
+WARM_S = 0.02  # back-to-back calls before each timed one (module docstring)
 
 
 def kv_bytes(batch, kv_len, dtype):
@@ -74,10 +79,9 @@ def median_s(fn, runs=5):
     return statistics.median(times)
 
 
-def memory_ceilings(nbytes):
-    """copy_tbps (read + written) and read_tbps (read) over nbytes-sized buffers, on torch's threads."""
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
+def memory_ceilings(src, dst):
+    """copy_tbps (read + written) and read_tbps (read) over the buffers src and dst, on torch's threads."""
+    nbytes = src.numel() * src.element_size()
     copy_s = median_s(lambda: dst.copy_(src))
     read_s = median_s(lambda: src.sum())
     return {"copy_tbps": round(2 * nbytes / copy_s * 1e-12, 5), "read_tbps": round(nbytes / read_s * 1e-12, 5),
@@ -116,24 +120,29 @@ def torch_decode(q, k, v):
     return out.transpose(1, 2)
 
 
-def time_pairs_ms(fns, max_runs, budget_s):
-    """Median ms of each callable's second and first calls over rounds of (a, a, b, b, ...) and the number of
-    rounds (module docstring): {name: (second_ms, first_ms)}, rounds."""
-    warm = 0.0
+def time_warm_ms(fns, max_runs, budget_s, warm_s=WARM_S):
+    """Per callable, the median ms of its timed calls after >= warm_s of its own back-to-back calls and the
+    median ms of each round's first call (module docstring): {name: (warm_ms, first_ms)}, and the rounds."""
+    once = 0.0
     for fn in fns.values():
         start = time.perf_counter()
         fn()
-        warm += time.perf_counter() - start
-    rounds = int(min(max_runs, max(3, len(fns) * budget_s / max(2 * warm, 1e-9))))
+        once += time.perf_counter() - start
+    per_round = sum(max(warm_s, 0.0) for _ in fns) + 2 * once
+    rounds = int(min(max_runs, max(3, len(fns) * budget_s / max(per_round, 1e-9))))
     first = {name: [] for name in fns}
-    second = {name: [] for name in fns}
+    warm = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            for times in (first[name], second[name]):
-                start = time.perf_counter()
+            begin = start = time.perf_counter()
+            fn()
+            first[name].append(time.perf_counter() - start)
+            while time.perf_counter() - begin < warm_s:
                 fn()
-                times.append(time.perf_counter() - start)
-    return {name: (statistics.median(second[name]) * 1e3, statistics.median(first[name]) * 1e3)
+            start = time.perf_counter()
+            fn()
+            warm[name].append(time.perf_counter() - start)
+    return {name: (statistics.median(warm[name]) * 1e3, statistics.median(first[name]) * 1e3)
             for name in fns}, rounds
 
 
@@ -148,7 +157,7 @@ def run_row(lib, dtype_name, batch, kv_len, seed, args, table):
         copies = 1
     if nbytes > args.max_cache_gib * GIB:
         why = f"a cache needs {nbytes / GIB:.1f} GiB (> --max-cache-gib {args.max_cache_gib:g})"
-        table.console.row(dtype_name, batch, kv_len, None, None, None, None, None, f"skipped: {why}")
+        table.console.row(dtype_name, batch, kv_len, None, None, None, None, None, None, f"skipped: {why}")
         return [{**base, "impl": impl, "ms": None, "skipped": why} for impl in ("flare", "torch-cpu")]
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, 1, NHEADS, HEADDIM, generator=gen).to(dtype)
@@ -176,18 +185,22 @@ def run_row(lib, dtype_name, batch, kv_len, seed, args, table):
         turn[0] += 1
         return torch_decode(q, k, v)
 
-    pairs, runs = time_pairs_ms({"flare": flare, "torch-cpu": torch_call}, args.max_runs, args.budget_s)
+    src, dst = args.copy_buffers
+    pairs, runs = time_warm_ms({"flare": flare, "copy": lambda: dst.copy_(src), "torch-cpu": torch_call},
+                               args.max_runs, args.budget_s)
+    row_copy_tbps = 2 * src.numel() * src.element_size() / (pairs.pop("copy")[0] * 1e-3) * 1e-12
     times = {impl: ms for impl, (ms, _) in pairs.items()}
     rows = []
     for impl, (ms, first_ms) in pairs.items():
         tbps = nbytes / (ms * 1e-3) * 1e-12
         rows.append({**base, "impl": impl, "ms": round(ms, 4), "tbps": round(tbps, 5),
-                     "copy_ratio": round(tbps / args.copy_tbps, 4), "ms_after_peer": round(first_ms, 4),
+                     "copy_ratio": round(tbps / args.copy_tbps, 4), "row_copy_tbps": round(row_copy_tbps, 5),
+                     "row_copy_ratio": round(tbps / row_copy_tbps, 4), "ms_after_peer": round(first_ms, 4),
                      "copy_ratio_after_peer": round(nbytes / (first_ms * 1e-3) * 1e-12 / args.copy_tbps, 4),
                      "runs": runs, "cache_copies": copies,
                      "max_abs_err": float(f"{err_flare if impl == 'flare' else err_torch:.3e}")})
     table.console.row(dtype_name, batch, kv_len, fmt(times["flare"], 3), fmt(times["torch-cpu"], 3),
-                      fmt(rows[0]["tbps"] * 1e3, 1), f"{rows[0]['copy_ratio']:.2f}",
+                      fmt(rows[0]["tbps"] * 1e3, 1), f"{rows[0]['copy_ratio']:.2f}", f"{rows[0]['row_copy_ratio']:.2f}",
                       f"{rows[0]['copy_ratio_after_peer']:.2f}", f"{times['torch-cpu'] / times['flare']:.2f}x")
     return rows
 
@@ -233,7 +246,9 @@ def main(argv=None):
         sys.exit(f"bench_decode: {args.lib} not found: build it first (cmake --preset release && "
                  f"cmake --build build/release -j) or pass --lib")
     lib = Flare(args.lib)
-    ceilings = memory_ceilings(CEILING_BYTES if not args.quick else CEILING_BYTES // 8)  # before the rows
+    ceiling_bytes = CEILING_BYTES if not args.quick else CEILING_BYTES // 8
+    args.copy_buffers = (torch.ones(ceiling_bytes // 4), torch.empty(ceiling_bytes // 4))
+    ceilings = memory_ceilings(*args.copy_buffers)  # before the rows
     args.copy_tbps = ceilings["copy_tbps"]
     run = {
         **meta.provenance(__file__), "device": meta.cpu_description(), "ceilings": ceilings,
@@ -241,10 +256,11 @@ def main(argv=None):
         "threads": args.threads, "num_splits": args.num_splits,
         "shapes": f"decode: 1 query token, {NHEADS} q heads / {NHEADS_K} kv heads, headdim {HEADDIM}, dense full "
                   f"cache; tbps = KV bytes read per second",
-        "timing": f"time.perf_counter, 3..{args.max_runs} rounds after one warm-up; each round runs flare twice, "
-                  f"then torch-cpu twice; ms: median of the second calls, ms_after_peer: of the first (after the "
-                  f"other implementation's); each call reads the next of the row's cache copies (>= "
-                  f"{args.rotate_mib:g} MiB together)",
+        "timing": f"time.perf_counter, 3..{args.max_runs} rounds after one warm-up; in each round flare, then "
+                  f"torch-cpu, runs back to back for >= {WARM_S * 1e3:g} ms, then once more timed (ms: median of "
+                  f"those); a 1 GiB copy timed alike in each round: row_copy_tbps; ms_after_peer: median of each "
+                  f"round's first call (flare's right after torch-cpu's); "
+                  f"each call reads the next of the row's cache copies (>= {args.rotate_mib:g} MiB together)",
     }
     print(f"flare {run['flare_version']} ({run['flare_cpu_isa']}) vs torch {torch.__version__} on {run['device']}, "
           f"{args.threads} threads; ceilings {ceilings}")
@@ -265,7 +281,7 @@ class Table:
     def __init__(self):
         self.console = Console([("dtype", -5), ("batch", 5), ("kv len", 7), "|", ("flare ms", 10),
                                 ("torch ms", 10), ("flare GB/s", 10), ("/copy", 6),
-                                ("/copy 1st", 9), ("torch/flare", 11)])
+                                ("/row copy", 9), ("/copy 1st", 9), ("torch/flare", 11)])
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@
 //     together, each vector of a K or V row loaded once and used for four rows (decode_tiles.hpp);
 //   - bf16 rows read in place: on vdpbf16ps where the processor has AVX512_BF16 but no AMX (Zen 4/5) and
 //     the head dims are multiples of 32 (P rounded to bf16, as the bf16 forward rounds it), else widened to
-//     fp32 as they are loaded; fp32 rows read in place; fp16 rows, and head dims that are not a whole number of vectors, go
-//     through an fp32 stage of kDecodeChunk rows;
+//     fp32 as they are loaded; fp32 rows read in place; fp16 rows, and head dims that are not a whole number
+//     of vectors, go through an fp32 stage of kDecodeChunk rows;
 //   - split-KV: with fewer (sequence, head block) items than about two per thread, each sequence's keys are
 //     cut into splits that run on different cores; each split keeps its own output and lse, merged at the end
 //     through the same LSE merge as flare_merge_states (merge_rows.hpp).

@@ -64,4 +64,4 @@ def test_decode_bench_quick_smoke(tmp_path):
     rows = doc["rows"]
     assert {(r["impl"], r["dtype"]) for r in rows} == {(i, d) for i in ("flare", "torch-cpu") for d in ("bf16", "fp32")}
     assert all(r["pass"] == "decode" and r["tbps"] > 0 and r["nheads"] == 32 and r["nheads_k"] == 8 for r in rows)
-    assert all(r["ms_after_peer"] > 0 and r["copy_ratio_after_peer"] > 0 for r in rows)
+    assert all(r["ms_after_peer"] > 0 and r["copy_ratio_after_peer"] > 0 and r["row_copy_tbps"] > 0 for r in rows)
