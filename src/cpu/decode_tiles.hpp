@@ -238,6 +238,50 @@ inline void join_split_row(float* x, int64_t n) {
   permute_row_blocks(x, n, low, _mm512_add_epi32(low, _mm512_set1_epi32(8)));
 }
 
+// The 64-byte tiles' block loops (split and dot-product tiles alike). score_blocks_16: tile(r, j, 4-rows) over
+// the rows in fours against 4 keys at a time, then tile(r, j, 1-row) over the rest against 16 at a time;
+// between() before each tile.
+template <class Tile, class Between>
+inline void score_blocks_16(int64_t rows, int64_t n, Tile&& tile, Between&& between) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4)
+    for (int64_t j = 0; j < n; j += 4) {
+      between();
+      tile(r, j, std::integral_constant<int, 4>{});
+    }
+  for (; r < rows; ++r)
+    for (int64_t j = 0; j < n; j += 16) {
+      between();
+      tile(r, j, std::integral_constant<int, 1>{});
+    }
+}
+
+// column_passes_32: o's kRows rows (ldo apart, dv columns, a multiple of 32) in passes of two blocks of 32
+// columns (one at the end where dv is an odd number of blocks): each pass loads the 2 B accumulators of each
+// row (acc[r][x]: columns c + 16 x ..), runs keys(acc, c, B), and stores them back; between() before each.
+template <int kRows, class Keys, class Between>
+inline void column_passes_32(float* o, int64_t ldo, int64_t dv, Keys&& keys, Between&& between) {
+  using V = vec_t<float>;
+  constexpr int kBlocks = 2;  // kRows x 2 kBlocks accumulators + 2 kBlocks values in registers
+  const auto pass = [&](int64_t c, auto blocks) {
+    constexpr int B = decltype(blocks)::value;
+    between();
+    V acc[kRows][2 * B];
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 4
+      for (int x = 0; x < 2 * B; ++x) acc[r][x] = vload(o + r * ldo + c + 16 * x);
+    keys(acc, c, blocks);
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 4
+      for (int x = 0; x < 2 * B; ++x) vstore(o + r * ldo + c + 16 * x, acc[r][x]);
+  };
+  int64_t c = 0;
+  for (; c + 32 * kBlocks <= dv; c += 32 * kBlocks) pass(c, std::integral_constant<int, kBlocks>{});
+  for (; c < dv; c += 32) pass(c, std::integral_constant<int, 1>{});
+}
+
 // score_tile on bf16 key rows, q rows in split order; d a multiple of 32.
 template <int kRows>
 inline void score_tile_split(const float* q, int64_t ldq, const uint16_t* const* k, int64_t d, float scale,
@@ -270,17 +314,10 @@ inline void score_tile_split(const float* q, int64_t ldq, const uint16_t* const*
 template <class Between = NoPrefetch>
 inline void score_block_split(const float* q, int64_t ldq, int64_t rows, const uint16_t* const* k, int64_t n,
                               int64_t d, float scale, float* s, int64_t lds, Between&& between = {}) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4)
-    for (int64_t j = 0; j < n; j += 4) {
-      between();
-      score_tile_split<4>(q + r * ldq, ldq, k + j, d, scale, s + r * lds + j, lds);
-    }
-  for (; r < rows; ++r)
-    for (int64_t j = 0; j < n; j += 16) {
-      between();
-      score_tile_split<1>(q + r * ldq, ldq, k + j, d, scale, s + r * lds + j, lds);
-    }
+  const auto tile = [&](int64_t r, int64_t j, auto tile_rows) {
+    score_tile_split<decltype(tile_rows)::value>(q + r * ldq, ldq, k + j, d, scale, s + r * lds + j, lds);
+  };
+  score_blocks_16(rows, n, tile, between);
 }
 
 // accumulate_pv on bf16 value rows with o's rows in split order (dv a multiple of 32): kBlocks blocks of 32
@@ -289,15 +326,8 @@ template <int kRows, class Between = NoPrefetch>
 inline void accumulate_pv_split(const float* p, int64_t ldp, const uint16_t* const* v, int64_t j0, int64_t j1,
                                 float* o, int64_t ldo, int64_t dv, Between&& between = {}) {
   using V = vec_t<float>;
-  constexpr int kBlocks = 2;  // kRows x 2 kBlocks accumulators + 2 kBlocks values in registers
-  const auto pass = [&](int64_t c, auto blocks) {
+  const auto keys = [&](auto& acc, int64_t c, auto blocks) {
     constexpr int B = decltype(blocks)::value;
-    between();
-    V acc[kRows][2 * B];
-#pragma GCC unroll 4
-    for (int r = 0; r < kRows; ++r)
-#pragma GCC unroll 4
-      for (int x = 0; x < 2 * B; ++x) acc[r][x] = vload(o + r * ldo + c + 16 * x);
     for (int64_t j = j0; j < j1; ++j) {
       V vv[2 * B];
 #pragma GCC unroll 2
@@ -312,14 +342,8 @@ inline void accumulate_pv_split(const float* p, int64_t ldp, const uint16_t* con
         for (int x = 0; x < 2 * B; ++x) acc[r][x] += pr * vv[x];
       }
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < kRows; ++r)
-#pragma GCC unroll 4
-      for (int x = 0; x < 2 * B; ++x) vstore(o + r * ldo + c + 16 * x, acc[r][x]);
   };
-  int64_t c = 0;
-  for (; c + 32 * kBlocks <= dv; c += 32 * kBlocks) pass(c, std::integral_constant<int, kBlocks>{});
-  for (; c < dv; c += 32) pass(c, std::integral_constant<int, 1>{});
+  column_passes_32<kRows>(o, ldo, dv, keys, between);
 }
 #else
 constexpr bool kDecodeSplitsPairs = false;
@@ -384,17 +408,10 @@ inline void score_tile_dot(const uint16_t* q, int64_t ldq, const uint16_t* const
 template <class Between = NoPrefetch>
 inline void score_block_dot(const uint16_t* q, int64_t ldq, int64_t rows, const uint16_t* const* k, int64_t n,
                             int64_t d, float scale, float* s, int64_t lds, Between&& between = {}) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4)
-    for (int64_t j = 0; j < n; j += 4) {
-      between();
-      score_tile_dot<4>(q + r * ldq, ldq, k + j, d, scale, s + r * lds + j, lds);
-    }
-  for (; r < rows; ++r)
-    for (int64_t j = 0; j < n; j += 16) {
-      between();
-      score_tile_dot<1>(q + r * ldq, ldq, k + j, d, scale, s + r * lds + j, lds);
-    }
+  const auto tile = [&](int64_t r, int64_t j, auto tile_rows) {
+    score_tile_dot<decltype(tile_rows)::value>(q + r * ldq, ldq, k + j, d, scale, s + r * lds + j, lds);
+  };
+  score_blocks_16(rows, n, tile, between);
 }
 
 // o_r += sum_j p_r[j] v_j for kRows rows over keys [j0, j1), p as bf16 rows (ldp apart), o in dot order (dv a
@@ -405,16 +422,8 @@ inline void score_block_dot(const uint16_t* q, int64_t ldq, int64_t rows, const 
 template <int kRows, class Between = NoPrefetch>
 inline void accumulate_pv_dot(const uint16_t* p, int64_t ldp, const uint16_t* const* v, int64_t j0, int64_t j1,
                               float* o, int64_t ldo, int64_t dv, Between&& between = {}) {
-  using V = vec_t<float>;
-  constexpr int kBlocks = 2;  // kRows x 2 kBlocks accumulators + 2 kBlocks interleaved values in registers
-  const auto pass = [&](int64_t c, auto blocks) {
+  const auto keys = [&](auto& acc, int64_t c, auto blocks) {
     constexpr int B = decltype(blocks)::value;
-    between();
-    V acc[kRows][2 * B];
-#pragma GCC unroll 4
-    for (int r = 0; r < kRows; ++r)
-#pragma GCC unroll 4
-      for (int x = 0; x < 2 * B; ++x) acc[r][x] = vload(o + r * ldo + c + 16 * x);
     // Keys j and j + 1 (second: whether j + 1 is one of them).
     const auto step = [&](int64_t j, bool second) {
       __m512i lo[B], hi[B];
@@ -440,14 +449,8 @@ inline void accumulate_pv_dot(const uint16_t* p, int64_t ldp, const uint16_t* co
     int64_t j = j0;
     for (; j + 2 <= j1; j += 2) step(j, true);
     if (j < j1) step(j, false);
-#pragma GCC unroll 4
-    for (int r = 0; r < kRows; ++r)
-#pragma GCC unroll 4
-      for (int x = 0; x < 2 * B; ++x) vstore(o + r * ldo + c + 16 * x, acc[r][x]);
   };
-  int64_t c = 0;
-  for (; c + 32 * kBlocks <= dv; c += 32 * kBlocks) pass(c, std::integral_constant<int, kBlocks>{});
-  for (; c < dv; c += 32) pass(c, std::integral_constant<int, 1>{});
+  column_passes_32<kRows>(o, ldo, dv, keys, between);
 }
 #else
 constexpr bool kDecodeDotPairs = false;
