@@ -253,8 +253,8 @@ inline void softmax_chunk_row(const Problem& p, const Sequence& seq, const polic
 //   kWiden  fp32 rows, bf16 rows widened on load, or the fp32 stage: every dtype, every head dim;
 //   kSplit  bf16 rows read in place split into even and odd elements (AVX-512, head dims multiples of 32):
 //           q and o are held in that order, and o is joined again at the end;
-//   kDot    bf16 rows on vdpbf16ps (AVX512_BF16 without AMX, head dims multiples of 32): q held in bf16, P rounded to
-//           bf16, o held in dot order and joined at the end.
+//   kDot    bf16 rows on vdpbf16ps (AVX512_BF16 without AMX, head dims multiples of 32): q held in bf16,
+//           P rounded to bf16, o held in dot order and joined at the end.
 enum class DecodeTiles { kWiden, kSplit, kDot };
 
 // One item: keys [j0, j1) of one sequence for kv heads [hk0, hk0 + nh), against their R query rows each.
@@ -279,7 +279,8 @@ inline void decode_item(const Problem& p, const DecodeScratch& ws, const DecodeS
       if constexpr (kTiles == DecodeTiles::kSplit) split_row(q, dp);
 #endif
 #if FLARE_DECODE_DOT_TILES
-      if constexpr (kTiles == DecodeTiles::kDot) round_to_bf16(q, t.qb + (h * R + r) * dp, dp);  // exact: q is bf16
+      // q is bf16 in the call (or rotated into bf16), so rounding it back is exact.
+      if constexpr (kTiles == DecodeTiles::kDot) round_to_bf16(q, t.qb + (h * R + r) * dp, dp);
 #endif
       t.m[h * R + r] = -std::numeric_limits<float>::infinity();
       t.l[h * R + r] = 0.0f;
