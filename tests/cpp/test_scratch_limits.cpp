@@ -1,11 +1,18 @@
 // test_scratch_limits.cpp — legal inputs at the edges: scratch sized by the keys a call uses (not a KV
 // cache's capacity or varlen's max_seqlen), size arithmetic that cannot wrap around, strides of
-// single-element dims that do not fit in bytes, and thread counts of huge problems.
+// single-element dims that do not fit in bytes, thread counts of huge problems, and outputs whose pages do
+// not exist yet.
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#if defined(__linux__)
+#  include <sys/mman.h>
+#  include <unistd.h>
+#endif
+
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -201,6 +208,79 @@ TEST(ScratchLimits, HugeStridesOfSingleElementDims) {
   EXPECT_TRUE(odd.out.snapshot() == plain.out.snapshot());
   EXPECT_TRUE(odd.lse.snapshot() == plain.lse.snapshot());
 }
+
+#if defined(__linux__)
+// Fresh anonymous memory of `bytes`, no page of it present yet (as a large torch.empty is), unmapped on exit.
+struct FreshMapping {
+  explicit FreshMapping(size_t n) : bytes(n) {
+    void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    data = m == MAP_FAILED ? nullptr : m;
+  }
+  ~FreshMapping() {
+    if (data != nullptr) munmap(data, bytes);
+  }
+  // Whether the page in the middle is present.
+  bool middle_resident() const {
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    unsigned char present = 0;
+    char* middle = static_cast<char*>(data) + bytes / 2 / page * page;
+    return mincore(middle, page, &present) == 0 && (present & 1) != 0;
+  }
+  size_t bytes;
+  void* data = nullptr;
+};
+
+// Outputs of 16 MiB in fresh memory (the CPU backend faults their pages in before the pass where the middle
+// one is absent: dispatch.cpp's populate_if_fresh) get exactly what outputs in ordinary memory get: the
+// forward's out and the backward's dq (deterministic), bitwise, and every byte is written.
+TEST(ScratchLimits, OutputsInFreshMemory) {
+  const int64_t batch = 2, seqlen_q = 8192, seqlen_k = 16, heads = 4, dim = 64;
+  Tensor q(FLARE_DTYPE_F32, {batch, seqlen_q, heads, dim}, 51), k(FLARE_DTYPE_F32, {batch, seqlen_k, heads, dim}, 52),
+      v(FLARE_DTYPE_F32, {batch, seqlen_k, heads, dim}, 53), dout(FLARE_DTYPE_F32, {batch, seqlen_q, heads, dim}, 54),
+      out(FLARE_DTYPE_F32, {batch, seqlen_q, heads, dim}), lse(FLARE_DTYPE_F32, {batch, heads, seqlen_q}),
+      dq(FLARE_DTYPE_F32, {batch, seqlen_q, heads, dim}), dk(FLARE_DTYPE_F32, {batch, seqlen_k, heads, dim}),
+      dv(FLARE_DTYPE_F32, {batch, seqlen_k, heads, dim});
+  const size_t bytes = static_cast<size_t>(batch * seqlen_q * heads * dim) * sizeof(float);
+  ASSERT_EQ(bytes, 16 * kMiB);
+  std::memset(out.bytes(), 0xff, bytes);  // NaN: every element must be written
+  std::memset(dq.bytes(), 0xff, bytes);
+
+  flare_fwd_params fp;
+  flare_fwd_params_init(&fp);
+  fp.q = q.view, fp.k = k.view, fp.v = v.view, fp.out = out.view, fp.softmax_lse = lse.view;
+  fp.exec.num_threads = 2;
+  ASSERT_EQ(flare_fwd(&fp), FLARE_OK) << flare_last_error();
+  FreshMapping fresh_out(bytes);
+  ASSERT_NE(fresh_out.data, nullptr);
+  ASSERT_FALSE(fresh_out.middle_resident());
+  fp.out.data = fresh_out.data;
+  Tensor lse2(FLARE_DTYPE_F32, {batch, heads, seqlen_q});
+  fp.softmax_lse = lse2.view;
+  ASSERT_EQ(flare_fwd(&fp), FLARE_OK) << flare_last_error();
+  EXPECT_EQ(std::memcmp(fresh_out.data, out.bytes(), bytes), 0) << "out in fresh memory differs";
+  for (size_t i = 0; i < bytes / sizeof(float); ++i)
+    ASSERT_TRUE(std::isfinite(reinterpret_cast<const float*>(out.bytes())[i])) << "out element " << i << " not written";
+
+  flare_bwd_params bp;
+  flare_bwd_params_init(&bp);
+  bp.q = q.view, bp.k = k.view, bp.v = v.view, bp.out = out.view, bp.dout = dout.view, bp.softmax_lse = lse.view;
+  bp.dq = dq.view, bp.dk = dk.view, bp.dv = dv.view;
+  bp.deterministic = 1;
+  bp.exec.num_threads = 2;
+  ASSERT_EQ(flare_bwd(&bp), FLARE_OK) << flare_last_error();
+  FreshMapping fresh_dq(bytes);
+  ASSERT_NE(fresh_dq.data, nullptr);
+  ASSERT_FALSE(fresh_dq.middle_resident());
+  bp.dq.data = fresh_dq.data;
+  Tensor dk2(FLARE_DTYPE_F32, {batch, seqlen_k, heads, dim}), dv2(FLARE_DTYPE_F32, {batch, seqlen_k, heads, dim});
+  bp.dk = dk2.view, bp.dv = dv2.view;
+  ASSERT_EQ(flare_bwd(&bp), FLARE_OK) << flare_last_error();
+  EXPECT_EQ(std::memcmp(fresh_dq.data, dq.bytes(), bytes), 0) << "dq in fresh memory differs";
+  EXPECT_EQ(std::memcmp(dk2.bytes(), dk.bytes(), static_cast<size_t>(batch * seqlen_k * heads * dim) * sizeof(float)), 0);
+  for (size_t i = 0; i < bytes / sizeof(float); ++i)
+    ASSERT_TRUE(std::isfinite(reinterpret_cast<const float*>(dq.bytes())[i])) << "dq element " << i << " not written";
+}
+#endif
 
 }  // namespace
 }  // namespace flare::badinput
