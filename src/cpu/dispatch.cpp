@@ -224,7 +224,7 @@ void populate_if_fresh(void* data, size_t bytes, int nt) {
 #endif
 }
 
-// An output of `tokens` rows of `heads` x `dim` elements, when it is one dense block (batch, seqlen, heads,
+// An output of batch x seqlen rows of heads x dim elements, when it is one dense block (batch, seqlen, heads,
 // dim) row-major: its pages, if fresh, are faulted in before the pass (populate_if_fresh).
 void populate_output(const Problem& p, const detail::Operand& x, int64_t seqlen, int64_t heads, int64_t dim,
                      int nt) {
