@@ -90,6 +90,18 @@ inline vec_t<float> lane_sums(const vec_t<float>* acc) {
   return fold_sums<W>(v);
 }
 
+// A score tile's W accumulators (kRows rows x W / kRows keys, row-major) folded into their W sums, scaled,
+// and stored: s[r * lds + j] for the tile's rows r and keys j.
+template <int kRows>
+inline void store_tile_scores(const vec_t<float>* acc, float scale, float* s, int64_t lds) {
+  constexpr int kKeys = Simd<float>::W / kRows;
+  const vec_t<float> sums = lane_sums(acc) * scale;
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < kKeys; ++j) s[r * lds + j] = sums[r * kKeys + j];
+}
+
 // A tile loop's hook between tiles (decode.hpp's ChunkPrefetch issues the next chunk's loads there).
 struct NoPrefetch {
   void operator()() const {}
@@ -117,11 +129,7 @@ inline void score_tile(const float* q, int64_t ldq, const KT* const* k, int64_t 
       for (int j = 0; j < kKeys; ++j) acc[r * kKeys + j] += qv * kv[j];
     }
   }
-  const V sums = lane_sums(acc) * scale;
-#pragma GCC unroll 4
-  for (int r = 0; r < kRows; ++r)
-#pragma GCC unroll 16
-    for (int j = 0; j < kKeys; ++j) s[r * lds + j] = sums[r * kKeys + j];
+  store_tile_scores<kRows>(acc, scale, s, lds);
 }
 
 // Scores of rows query rows against keys k[0..n): s[r * lds + j]. k holds pointers up to n rounded up to W
@@ -303,11 +311,7 @@ inline void score_tile_split(const float* q, int64_t ldq, const uint16_t* const*
       }
     }
   }
-  const V sums = lane_sums(acc) * scale;
-#pragma GCC unroll 4
-  for (int r = 0; r < kRows; ++r)
-#pragma GCC unroll 16
-    for (int j = 0; j < kKeys; ++j) s[r * lds + j] = sums[r * kKeys + j];
+  store_tile_scores<kRows>(acc, scale, s, lds);
 }
 
 // score_block on bf16 key rows, q rows in split order (d a multiple of 32; k padded as score_block's).
@@ -397,11 +401,7 @@ inline void score_tile_dot(const uint16_t* q, int64_t ldq, const uint16_t* const
       for (int j = 0; j < kKeys; ++j) acc[r * kKeys + j] = dot_madd(acc[r * kKeys + j], qv, kv[j]);
     }
   }
-  const V sums = lane_sums(acc) * scale;
-#pragma GCC unroll 4
-  for (int r = 0; r < kRows; ++r)
-#pragma GCC unroll 16
-    for (int j = 0; j < kKeys; ++j) s[r * lds + j] = sums[r * kKeys + j];
+  store_tile_scores<kRows>(acc, scale, s, lds);
 }
 
 // score_block on bf16 query and key rows (d a multiple of 32; k padded as score_block's).

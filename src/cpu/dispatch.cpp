@@ -83,6 +83,9 @@ const Kernels& kernels() {
   return chosen;
 }
 
+// Bytes of one element of the call's dtype (q, k, v and the outputs).
+int64_t element_bytes(flare_dtype dtype) { return dtype == FLARE_DTYPE_F64 ? 8 : dtype == FLARE_DTYPE_F32 ? 4 : 2; }
+
 // The caller's num_threads, or by default OpenMP's thread count cut for small problems: waking a thread
 // and meeting it at barriers costs more than a few MFLOP of work or a few hundred KiB of rows read and
 // written (and much more when the cores are shared with other processes). The bytes matter where the keys
@@ -99,8 +102,8 @@ int thread_count(const Problem& p) {
                        static_cast<double>(p.seqlen_q) * keys * width;
   const double rows = static_cast<double>(p.seqlen_q) * static_cast<double>(p.nheads) +
                       keys * static_cast<double>(p.nheads_k);  // q and out, k and v rows of one sequence
-  const double element = p.dtype == FLARE_DTYPE_F64 ? 8 : p.dtype == FLARE_DTYPE_F32 ? 4 : 2;
-  const double bytes = pass_factor * element * static_cast<double>(p.batch) * rows * width;
+  const double bytes = pass_factor * static_cast<double>(element_bytes(p.dtype)) * static_cast<double>(p.batch) *
+                       rows * width;
   const int most = omp_get_max_threads();
   // Compared in double: past 2^31 threads' worth of work the count would not fit an int.
   const double by_work = std::max(flops / kFlopsPerThread, bytes / kBytesPerThread);
@@ -198,6 +201,8 @@ flare_status workspace_size(const Problem& p, size_t* bytes) { return checked_sc
 #    define MADV_POPULATE_WRITE 23
 #  endif
 #endif
+namespace {
+
 constexpr size_t kPopulateMinBytes = size_t{8} << 20;
 
 // Faults in [data, data + bytes) on nt threads where it is large and fresh (above). Errors are ignored:
@@ -231,9 +236,10 @@ void populate_output(const Problem& p, const detail::Operand& x, int64_t seqlen,
   if (p.varlen || x.data == nullptr) return;
   const int64_t row = heads * dim;
   if (x.head_stride != dim || x.row_stride != row || (p.batch > 1 && x.batch_stride != seqlen * row)) return;
-  const int64_t element = p.dtype == FLARE_DTYPE_F64 ? 8 : p.dtype == FLARE_DTYPE_F32 ? 4 : 2;
-  populate_if_fresh(x.data, static_cast<size_t>(p.batch * seqlen * row * element), nt);
+  populate_if_fresh(x.data, static_cast<size_t>(p.batch * seqlen * row * element_bytes(p.dtype)), nt);
 }
+
+}  // namespace
 
 flare_status forward(const Problem& p) {
   const int nt = thread_count(p);
