@@ -17,6 +17,7 @@
 #endif
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "common/philox.hpp"
@@ -258,9 +259,95 @@ inline void dropout_tile(const DropoutDraw& d, uint32_t stream, int64_t i0, int6
   dropout_pieces(d, stream, i0, rows, j0, cols, DropoutFactors{z, ld});
 }
 
+#if FLARE_VEC_BYTES == 64 && defined(__AVX512F__)
+// Philox on 16 counters held as two sets of eight 64-bit lanes, each word in the low half of its lane (the
+// high halves carry what a round left there and are never read). A round's 32x32->64 multiply is then one
+// vpmuludq with the product's halves already in place, and the high half comes down with one shuffle: 12
+// vector operations a round for 16 counters (4 multiplies, 4 shuffles, 4 three-way xors), where philox_lanes'
+// 32-bit lanes take 18. Its key schedule is broadcast once per tile (PhiloxRoundKeys).
+struct PhiloxWide {
+  __m512i w[4];
+};
+struct PhiloxRoundKeys {
+  __m512i k0[philox::kRounds], k1[philox::kRounds];
+};
+
+inline PhiloxRoundKeys philox_round_keys(const philox::DropoutKey& key) {
+  PhiloxRoundKeys k;
+  uint32_t k0 = key.k0, k1 = key.k1;
+  for (int round = 0; round < philox::kRounds; ++round, k0 += philox::kWeyl0, k1 += philox::kWeyl1) {
+    k.k0[round] = _mm512_set1_epi64(k0);
+    k.k1[round] = _mm512_set1_epi64(k1);
+  }
+  return k;
+}
+
+inline PhiloxWide philox_wide(PhiloxWide c, const PhiloxRoundKeys& k) {
+  // The maskz forms with every lane set, as in mulhilo.
+  constexpr __mmask8 kAll64 = 0xFF;
+  constexpr __mmask16 kAll = 0xFFFF;
+  constexpr int kXor3 = 0x96;  // a ^ b ^ c
+  const __m512i m0 = _mm512_set1_epi64(philox::kMul0), m1 = _mm512_set1_epi64(philox::kMul1);
+  for (int round = 0; round < philox::kRounds; ++round) {
+    const __m512i p0 = _mm512_maskz_mul_epu32(kAll64, c.w[0], m0), p1 = _mm512_maskz_mul_epu32(kAll64, c.w[2], m1);
+    const __m512i hi0 = _mm512_maskz_shuffle_epi32(kAll, p0, _MM_PERM_CDAB);
+    const __m512i hi1 = _mm512_maskz_shuffle_epi32(kAll, p1, _MM_PERM_CDAB);
+    c = PhiloxWide{{_mm512_ternarylogic_epi32(hi1, c.w[1], k.k0[round], kXor3), p1,
+                    _mm512_ternarylogic_epi32(hi0, c.w[3], k.k1[round], kXor3), p0}};
+  }
+  return c;
+}
+
+// The keep bits of a tile whose masks lie row after row (ld = cols / 16): bit x of bits[r * groups + g] for
+// (query i0 + r, key j0 + 16 g + x), j0 % 16 == 0. 16 pieces (row, 16 keys) per batch, in piece order, so a
+// batch's masks are 32 consecutive bytes: their counters step from batch to batch by vector adds (16 pieces
+// further on: 16 / groups rows and 16 % groups groups, carrying past the row's last group), and the bytes
+// come out of the registers in order, no lane handled on its own.
+inline void dropout_bits_rows(const DropoutDraw& d, uint32_t stream, int64_t i0, int64_t rows, int64_t j0,
+                              int64_t groups, uint16_t* bits) {
+  constexpr __mmask8 kAll64 = 0xFF;
+  const int64_t pieces = rows * groups;
+  const PhiloxRoundKeys keys = philox_round_keys(d.key);
+  // In each set of eight lanes, lane 2k draws piece k and lane 2k + 1 piece 4 + k: the unpacks at the end then
+  // leave pieces 0-3 and 4-7 in order.
+  alignas(64) int64_t group_of[16], row_of[16];
+  for (int l = 0; l < 16; ++l) {
+    const int64_t piece = 8 * (l / 8) + (l % 2 ? 4 : 0) + (l % 8) / 2;
+    group_of[l] = j0 / 16 + piece % groups;
+    row_of[l] = i0 + piece / groups;
+  }
+  __m512i group[2] = {_mm512_load_si512(group_of), _mm512_load_si512(group_of + 8)};
+  __m512i row[2] = {_mm512_load_si512(row_of), _mm512_load_si512(row_of + 8)};
+  const __m512i group_step = _mm512_set1_epi64(16 % groups), row_step = _mm512_set1_epi64(16 / groups);
+  const __m512i group_end = _mm512_set1_epi64(j0 / 16 + groups), width = _mm512_set1_epi64(groups);
+  const __m512i one = _mm512_set1_epi64(1), thr = _mm512_set1_epi8(static_cast<char>(d.threshold));
+  const __m512i stream_w = _mm512_set1_epi64(stream), offset_w = _mm512_set1_epi64(d.key.offset);
+  for (int64_t p0 = 0; p0 < pieces; p0 += 16) {
+    uint64_t masks[4];
+    for (int s = 0; s < 2; ++s) {
+      const PhiloxWide w = philox_wide(PhiloxWide{{group[s], row[s], stream_w, offset_w}}, keys);
+      // Lane i's 16 bytes, words w0..w3: w0 w1 in the 64 bits of lo, w2 w3 in those of hi.
+      const __m512i lo = _mm512_mask_shuffle_epi32(w.w[0], 0xAAAA, w.w[1], _MM_PERM_CDAB);
+      const __m512i hi = _mm512_mask_shuffle_epi32(w.w[2], 0xAAAA, w.w[3], _MM_PERM_CDAB);
+      masks[2 * s] = _mm512_cmpge_epu8_mask(_mm512_maskz_unpacklo_epi64(kAll64, lo, hi), thr);
+      masks[2 * s + 1] = _mm512_cmpge_epu8_mask(_mm512_maskz_unpackhi_epi64(kAll64, lo, hi), thr);
+      group[s] = _mm512_add_epi64(group[s], group_step);
+      row[s] = _mm512_add_epi64(row[s], row_step);
+      const __mmask8 carry = _mm512_cmpge_epi64_mask(group[s], group_end);
+      group[s] = _mm512_mask_sub_epi64(group[s], carry, group[s], width);
+      row[s] = _mm512_mask_add_epi64(row[s], carry, row[s], one);
+    }
+    std::memcpy(bits + p0, masks, sizeof(uint16_t) * static_cast<size_t>(smin<int64_t>(16, pieces - p0)));
+  }
+}
+#endif
+
 // The keep bits of a tile: bit x of bits[r * ld + g] for (query i0 + r, key j0 + 16 g + x).
 inline void dropout_tile_bits(const DropoutDraw& d, uint32_t stream, int64_t i0, int64_t rows, int64_t j0,
                               int64_t cols, uint16_t* bits, int64_t ld) {
+#if FLARE_VEC_BYTES == 64 && defined(__AVX512F__)
+  if (ld == cols / 16) return dropout_bits_rows(d, stream, i0, rows, j0, cols / 16, bits);
+#endif
   dropout_pieces(d, stream, i0, rows, j0, cols, DropoutBits{bits, ld});
 }
 

@@ -126,14 +126,14 @@ struct Bf16Forward {
         shape_scores<float>(t.s, kBk, rows, cols, i0, j0, mask, shape, nullptr);
         row_scale = 1.0f;
       }
-      if (dropping) dropout_tile_bits(draw, stream, i0, rows, j0, cols, t.keep, kBk / 16);
+      if (dropping) dropout_tile_bits(draw, stream, i0, rows, j0, cols, t.keep, cols / 16);  // rows packed
       for (int64_t r = 0; r < product_rows; ++r) {
         uint16_t* prow = t.p + r * kBk;
         if (r >= rows) {
           std::memset(prow, 0, cols * sizeof(uint16_t));
           continue;
         }
-        const Bf16PairWriter write(prow, dropping ? t.keep + r * kBk / 16 : nullptr, kept);
+        const Bf16PairWriter write(prow, dropping ? t.keep + r * (cols / 16) : nullptr, kept);
         const float alpha = online_softmax_row<float>(t.s + r * kBk, cols, row_scale, t.m[r], t.l[r], write,
                                                       RowExpBf16{});
         if (alpha != 1.0f) scale_row<float>(t.o + r * ldo, ldo, alpha);

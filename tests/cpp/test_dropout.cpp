@@ -85,42 +85,46 @@ TEST(Dropout, MasksDifferAcrossSeedOffsetSequenceAndHeads) {
 TEST(Dropout, ForwardAppliesExactlyTheMaskOfFlareDropoutMask) {
   // V = the identity (one value column per key): out[i][j] = P_ij z_ij, so the dropped elements are the exact
   // zeros of out, and the kept ones are P / (1 - p) > 0. Every SIMD level and thread split draws this mask.
-  const int64_t batch = 2, sq = 37, sk = 70, heads = 3;
+  // Lengths: 70 keys cut the one key block to 96 columns (6 draws a row), 300 keys take two whole 128-key
+  // blocks and a 64-column one; 70 query rows are more than one query tile.
+  const int64_t batch = 2, heads = 3;
   const float p = 0.3f;
   const uint64_t seed = 0xdeadbeefcafef00dull, offset = 0x0000000500000003ull;
-  for (flare_dtype dtype : {FLARE_DTYPE_F32, FLARE_DTYPE_BF16}) {
-    badinput::Tensor q(dtype, {batch, sq, heads, 16}, 3), k(dtype, {batch, sk, 1, 16}, 4);
-    badinput::Tensor v(dtype, {batch, sk, 1, sk}), out(dtype, {batch, sq, heads, sk});
-    HostTensor values = HostTensor::contiguous(dtype, {batch, sk, 1, sk});
-    std::vector<double> eye(batch * sk * sk, 0.0);
-    for (int64_t b = 0; b < batch; ++b)
-      for (int64_t j = 0; j < sk; ++j) eye[(b * sk + j) * sk + j] = 1.0;
-    values.assign(eye);
-    flare_fwd_params f;
-    flare_fwd_params_init(&f);
-    f.q = q.view;
-    f.k = k.view;
-    f.v = values.view();
-    f.out = out.view;
-    f.dropout_p = p;
-    f.dropout_seed = seed;
-    f.dropout_offset = offset;
-    ASSERT_EQ(flare_fwd(&f), FLARE_OK) << flare_last_error();
-    const int64_t es = dtype == FLARE_DTYPE_F32 ? 4 : 2;
-    for (int64_t b = 0; b < batch; ++b) {
-      const std::vector<uint8_t> mask = mask_of(p, seed, offset, b, heads, sq, sk);
-      int64_t mismatches = 0, dropped = 0;
-      for (int64_t h = 0; h < heads; ++h)
-        for (int64_t i = 0; i < sq; ++i)
-          for (int64_t j = 0; j < sk; ++j) {
-            const uint8_t* x = out.bytes() + (((b * sq + i) * heads + h) * sk + j) * es;
-            bool zero = true;
-            for (int64_t byte = 0; byte < es; ++byte) zero &= x[byte] == 0;
-            mismatches += zero == (mask[(h * sq + i) * sk + j] == 1);
-            dropped += zero;
-          }
-      EXPECT_EQ(mismatches, 0) << dtype_name(dtype) << " sequence " << b;
-      EXPECT_GT(dropped, heads * sq * sk / 5);
+  for (auto [sq, sk] : {std::pair<int64_t, int64_t>{37, 70}, {70, 300}}) {
+    for (flare_dtype dtype : {FLARE_DTYPE_F32, FLARE_DTYPE_BF16}) {
+      badinput::Tensor q(dtype, {batch, sq, heads, 16}, 3), k(dtype, {batch, sk, 1, 16}, 4);
+      badinput::Tensor v(dtype, {batch, sk, 1, sk}), out(dtype, {batch, sq, heads, sk});
+      HostTensor values = HostTensor::contiguous(dtype, {batch, sk, 1, sk});
+      std::vector<double> eye(batch * sk * sk, 0.0);
+      for (int64_t b = 0; b < batch; ++b)
+        for (int64_t j = 0; j < sk; ++j) eye[(b * sk + j) * sk + j] = 1.0;
+      values.assign(eye);
+      flare_fwd_params f;
+      flare_fwd_params_init(&f);
+      f.q = q.view;
+      f.k = k.view;
+      f.v = values.view();
+      f.out = out.view;
+      f.dropout_p = p;
+      f.dropout_seed = seed;
+      f.dropout_offset = offset;
+      ASSERT_EQ(flare_fwd(&f), FLARE_OK) << flare_last_error();
+      const int64_t es = dtype == FLARE_DTYPE_F32 ? 4 : 2;
+      for (int64_t b = 0; b < batch; ++b) {
+        const std::vector<uint8_t> mask = mask_of(p, seed, offset, b, heads, sq, sk);
+        int64_t mismatches = 0, dropped = 0;
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t i = 0; i < sq; ++i)
+            for (int64_t j = 0; j < sk; ++j) {
+              const uint8_t* x = out.bytes() + (((b * sq + i) * heads + h) * sk + j) * es;
+              bool zero = true;
+              for (int64_t byte = 0; byte < es; ++byte) zero &= x[byte] == 0;
+              mismatches += zero == (mask[(h * sq + i) * sk + j] == 1);
+              dropped += zero;
+            }
+        EXPECT_EQ(mismatches, 0) << dtype_name(dtype) << " " << sq << " x " << sk << " sequence " << b;
+        EXPECT_GT(dropped, heads * sq * sk / 5);
+      }
     }
   }
 }
