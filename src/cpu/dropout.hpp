@@ -253,12 +253,6 @@ inline void dropout_pieces(const DropoutDraw& d, uint32_t stream, int64_t i0, in
   }
 }
 
-// The factors of a tile: z[r * ld + c] for (query i0 + r, key j0 + c): scale where kept, 0 where dropped.
-inline void dropout_tile(const DropoutDraw& d, uint32_t stream, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
-                         float* z, int64_t ld) {
-  dropout_pieces(d, stream, i0, rows, j0, cols, DropoutFactors{z, ld});
-}
-
 #if FLARE_VEC_BYTES == 64 && defined(__AVX512F__)
 // Philox on 16 counters held as two sets of eight 64-bit lanes, each word in the low half of its lane (the
 // high halves carry what a round left there and are never read). A round's 32x32->64 multiply is then one
@@ -298,13 +292,15 @@ inline PhiloxWide philox_wide(PhiloxWide c, const PhiloxRoundKeys& k) {
   return c;
 }
 
-// The keep bits of a tile whose masks lie row after row (ld = cols / 16): bit x of bits[r * groups + g] for
-// (query i0 + r, key j0 + 16 g + x), j0 % 16 == 0. 16 pieces (row, 16 keys) per batch, in piece order, so a
-// batch's masks are 32 consecutive bytes: their counters step from batch to batch by vector adds (16 pieces
-// further on: 16 / groups rows and 16 % groups groups, carrying past the row's last group), and the bytes
-// come out of the registers in order, no lane handled on its own.
-inline void dropout_bits_rows(const DropoutDraw& d, uint32_t stream, int64_t i0, int64_t rows, int64_t j0,
-                              int64_t groups, uint16_t* bits) {
+// The draws of a tile whose pieces (row, 16 keys) lie row after row: piece q = r * groups + g is (query i0 + r,
+// keys j0 + 16 g ..), j0 % 16 == 0. 16 pieces per batch, in piece order: their counters step from batch to
+// batch by vector adds (16 pieces further on: 16 / groups rows and 16 % groups groups, carrying past the row's
+// last group), and the keep bits come out of the registers in piece order, no lane handled on its own.
+// sink(q0, masks, n): pieces q0 .. q0 + n (n <= 16), piece q0 + x's 16 keep bits at bits 16 (x % 4) of
+// masks[x / 4].
+template <class Sink>
+inline void dropout_rows_wide(const DropoutDraw& d, uint32_t stream, int64_t i0, int64_t rows, int64_t j0,
+                              int64_t groups, Sink sink) {
   constexpr __mmask8 kAll64 = 0xFF;
   const int64_t pieces = rows * groups;
   const PhiloxRoundKeys keys = philox_round_keys(d.key);
@@ -322,7 +318,7 @@ inline void dropout_bits_rows(const DropoutDraw& d, uint32_t stream, int64_t i0,
   const __m512i group_end = _mm512_set1_epi64(j0 / 16 + groups), width = _mm512_set1_epi64(groups);
   const __m512i one = _mm512_set1_epi64(1), thr = _mm512_set1_epi8(static_cast<char>(d.threshold));
   const __m512i stream_w = _mm512_set1_epi64(stream), offset_w = _mm512_set1_epi64(d.key.offset);
-  for (int64_t p0 = 0; p0 < pieces; p0 += 16) {
+  for (int64_t q0 = 0; q0 < pieces; q0 += 16) {
     uint64_t masks[4];
     for (int s = 0; s < 2; ++s) {
       const PhiloxWide w = philox_wide(PhiloxWide{{group[s], row[s], stream_w, offset_w}}, keys);
@@ -337,16 +333,37 @@ inline void dropout_bits_rows(const DropoutDraw& d, uint32_t stream, int64_t i0,
       group[s] = _mm512_mask_sub_epi64(group[s], carry, group[s], width);
       row[s] = _mm512_mask_add_epi64(row[s], carry, row[s], one);
     }
-    std::memcpy(bits + p0, masks, sizeof(uint16_t) * static_cast<size_t>(smin<int64_t>(16, pieces - p0)));
+    sink(q0, masks, smin<int64_t>(16, pieces - q0));
   }
 }
 #endif
+
+// The factors of a tile: z[r * ld + c] for (query i0 + r, key j0 + c): scale where kept, 0 where dropped.
+inline void dropout_tile(const DropoutDraw& d, uint32_t stream, int64_t i0, int64_t rows, int64_t j0, int64_t cols,
+                         float* z, int64_t ld) {
+#if FLARE_VEC_BYTES == 64 && defined(__AVX512F__)
+  if (ld == cols) {  // rows packed: piece q's 16 factors at z + 16 q
+    const __m512 kept = _mm512_set1_ps(static_cast<float>(d.scale));
+    return dropout_rows_wide(d, stream, i0, rows, j0, cols / 16, [&](int64_t q0, const uint64_t* masks, int64_t n) {
+      for (int64_t x = 0; x < n; ++x) {
+        const auto bits = static_cast<__mmask16>(masks[x / 4] >> (16 * (x % 4)));
+        _mm512_storeu_ps(z + 16 * (q0 + x), _mm512_maskz_mov_ps(bits, kept));
+      }
+    });
+  }
+#endif
+  dropout_pieces(d, stream, i0, rows, j0, cols, DropoutFactors{z, ld});
+}
 
 // The keep bits of a tile: bit x of bits[r * ld + g] for (query i0 + r, key j0 + 16 g + x).
 inline void dropout_tile_bits(const DropoutDraw& d, uint32_t stream, int64_t i0, int64_t rows, int64_t j0,
                               int64_t cols, uint16_t* bits, int64_t ld) {
 #if FLARE_VEC_BYTES == 64 && defined(__AVX512F__)
-  if (ld == cols / 16) return dropout_bits_rows(d, stream, i0, rows, j0, cols / 16, bits);
+  if (ld == cols / 16) {  // the rows' masks packed: a batch's 16 masks are 32 consecutive bytes
+    return dropout_rows_wide(d, stream, i0, rows, j0, cols / 16, [&](int64_t q0, const uint64_t* masks, int64_t n) {
+      std::memcpy(bits + q0, masks, sizeof(uint16_t) * static_cast<size_t>(n));
+    });
+  }
 #endif
   dropout_pieces(d, stream, i0, rows, j0, cols, DropoutBits{bits, ld});
 }
