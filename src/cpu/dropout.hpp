@@ -276,13 +276,15 @@ inline PhiloxRoundKeys philox_round_keys(const philox::DropoutKey& key) {
   return k;
 }
 
-inline PhiloxWide philox_wide(PhiloxWide c, const PhiloxRoundKeys& k) {
+// Rounds first .. kRounds - 1 of Philox4x32-10 on c.
+inline __m512i high_halves_down(__m512i x) { return _mm512_maskz_shuffle_epi32(0xFFFF, x, _MM_PERM_CDAB); }
+inline PhiloxWide philox_wide(PhiloxWide c, const PhiloxRoundKeys& k, int first = 0) {
   // The maskz forms with every lane set, as in mulhilo.
   constexpr __mmask8 kAll64 = 0xFF;
   constexpr __mmask16 kAll = 0xFFFF;
   constexpr int kXor3 = 0x96;  // a ^ b ^ c
   const __m512i m0 = _mm512_set1_epi64(philox::kMul0), m1 = _mm512_set1_epi64(philox::kMul1);
-  for (int round = 0; round < philox::kRounds; ++round) {
+  for (int round = first; round < philox::kRounds; ++round) {
     const __m512i p0 = _mm512_maskz_mul_epu32(kAll64, c.w[0], m0), p1 = _mm512_maskz_mul_epu32(kAll64, c.w[2], m1);
     const __m512i hi0 = _mm512_maskz_shuffle_epi32(kAll, p0, _MM_PERM_CDAB);
     const __m512i hi1 = _mm512_maskz_shuffle_epi32(kAll, p1, _MM_PERM_CDAB);
@@ -318,15 +320,60 @@ inline void dropout_rows_wide(const DropoutDraw& d, uint32_t stream, int64_t i0,
   const __m512i group_end = _mm512_set1_epi64(j0 / 16 + groups), width = _mm512_set1_epi64(groups);
   const __m512i one = _mm512_set1_epi64(1), thr = _mm512_set1_epi8(static_cast<char>(d.threshold));
   const __m512i stream_w = _mm512_set1_epi64(stream), offset_w = _mm512_set1_epi64(d.key.offset);
+  // Set s's draws w as keep bits: lane i's 16 bytes (words w0..w3: w0 w1 in the 64 bits of lo, w2 w3 in those
+  // of hi), unpacked into pieces 0-3 and 4-7 of the set and compared.
+  const auto keep_bits = [&](const PhiloxWide& w, uint64_t* masks) {
+    const __m512i lo = _mm512_mask_shuffle_epi32(w.w[0], 0xAAAA, w.w[1], _MM_PERM_CDAB);
+    const __m512i hi = _mm512_mask_shuffle_epi32(w.w[2], 0xAAAA, w.w[3], _MM_PERM_CDAB);
+    masks[0] = _mm512_cmpge_epu8_mask(_mm512_maskz_unpacklo_epi64(kAll64, lo, hi), thr);
+    masks[1] = _mm512_cmpge_epu8_mask(_mm512_maskz_unpackhi_epi64(kAll64, lo, hi), thr);
+  };
+  if (16 % groups == 0) {
+    // A batch is whole rows, so each lane keeps its key group from batch to batch, and through the first three
+    // rounds every multiply's operand depends on the row alone or on the group alone: the group's products
+    // are taken once per tile (below), and a batch starts from round 3 after two multiplies on its rows (8
+    // operations a set for rounds 0-2 where the loop below takes 18). Round r maps (w0, w1, w2, w3) to
+    // (hi(w2 M1) ^ w1 ^ k0[r], lo(w2 M1), hi(w0 M0) ^ w3 ^ k1[r], lo(w0 M0)); counter = (group, row,
+    // stream, offset), G = the lane's group:
+    //   round 0: (hi(stream M1) ^ row ^ k0[0], lo(stream M1), hi(G M0) ^ offset ^ k1[0], lo(G M0))
+    //   round 1: w0 M0 depends on the row (p), w2 M1 on the group (c): (hi(c) ^ lo(stream M1) ^ k0[1], lo(c),
+    //            hi(p) ^ lo(G M0) ^ k1[1], lo(p))
+    //   round 2: w0 M0 = P depends on the group, w2 M1 = p2 on both: (hi(p2) ^ lo(c) ^ k0[2], lo(p2),
+    //            hi(P) ^ lo(p) ^ k1[2], lo(P)).
+    const __m512i m0 = _mm512_set1_epi64(philox::kMul0), m1 = _mm512_set1_epi64(philox::kMul1);
+    const auto mul = [](__m512i a, __m512i m) { return _mm512_maskz_mul_epu32(kAll64, a, m); };
+    const __m512i sm = mul(stream_w, m1);
+    const __m512i row_key = _mm512_xor_si512(high_halves_down(sm), keys.k0[0]);  // round 0's w0 = row ^ row_key
+    struct GroupTerms {
+      __m512i d2, e0, e2, f3;
+    } terms[2];
+    for (int s = 0; s < 2; ++s) {
+      const __m512i gm = mul(group[s], m0);
+      const __m512i w2_1 = _mm512_ternarylogic_epi32(high_halves_down(gm), offset_w, keys.k1[0], 0x96);
+      const __m512i c = mul(w2_1, m1);
+      const __m512i w0_2 = _mm512_ternarylogic_epi32(high_halves_down(c), sm, keys.k0[1], 0x96);
+      const __m512i big_p = mul(w0_2, m0);
+      terms[s] = {_mm512_xor_si512(gm, keys.k1[1]), _mm512_xor_si512(c, keys.k0[2]),
+                  _mm512_xor_si512(high_halves_down(big_p), keys.k1[2]), big_p};
+    }
+    for (int64_t q0 = 0; q0 < pieces; q0 += 16) {
+      uint64_t masks[4];
+      for (int s = 0; s < 2; ++s) {
+        const __m512i p = mul(_mm512_xor_si512(row[s], row_key), m0);
+        const __m512i p2 = mul(_mm512_xor_si512(high_halves_down(p), terms[s].d2), m1);
+        const PhiloxWide w3{{_mm512_xor_si512(high_halves_down(p2), terms[s].e0), p2,
+                             _mm512_xor_si512(p, terms[s].e2), terms[s].f3}};
+        keep_bits(philox_wide(w3, keys, 3), masks + 2 * s);
+        row[s] = _mm512_add_epi64(row[s], row_step);
+      }
+      sink(q0, masks, smin<int64_t>(16, pieces - q0));
+    }
+    return;
+  }
   for (int64_t q0 = 0; q0 < pieces; q0 += 16) {
     uint64_t masks[4];
     for (int s = 0; s < 2; ++s) {
-      const PhiloxWide w = philox_wide(PhiloxWide{{group[s], row[s], stream_w, offset_w}}, keys);
-      // Lane i's 16 bytes, words w0..w3: w0 w1 in the 64 bits of lo, w2 w3 in those of hi.
-      const __m512i lo = _mm512_mask_shuffle_epi32(w.w[0], 0xAAAA, w.w[1], _MM_PERM_CDAB);
-      const __m512i hi = _mm512_mask_shuffle_epi32(w.w[2], 0xAAAA, w.w[3], _MM_PERM_CDAB);
-      masks[2 * s] = _mm512_cmpge_epu8_mask(_mm512_maskz_unpacklo_epi64(kAll64, lo, hi), thr);
-      masks[2 * s + 1] = _mm512_cmpge_epu8_mask(_mm512_maskz_unpackhi_epi64(kAll64, lo, hi), thr);
+      keep_bits(philox_wide(PhiloxWide{{group[s], row[s], stream_w, offset_w}}, keys), masks + 2 * s);
       group[s] = _mm512_add_epi64(group[s], group_step);
       row[s] = _mm512_add_epi64(row[s], row_step);
       const __mmask8 carry = _mm512_cmpge_epi64_mask(group[s], group_end);
