@@ -38,16 +38,18 @@ inline void round_to_bf16(const float* src, uint16_t* dst, int64_t n) {
 // vectors, one vcvtne2ps2bf16) at a time: the row's length must be a multiple of 32.
 class Bf16PairWriter {
  public:
-  // keep, when given: each value is first multiplied by `kept` where bit c % 16 of keep[c / 16] is set and
-  // zeroed where it is clear (dropout's keep bits, dropout_tile_bits).
-  explicit Bf16PairWriter(uint16_t* row, const uint16_t* keep = nullptr, float kept = 1.0f)
-      : row_(row), keep_(keep), kept_(_mm512_set1_ps(kept)) {}
+  // keep, when given: each value is zeroed where bit c % 16 of keep[c / 16] is clear (dropout's keep bits,
+  // dropout_tile_bits), in the rounding itself; the kept ones' factor 1 / (1 - p) is left to the output
+  // (finish_rows' out_scale), as FlashAttention 2 leaves it.
+  explicit Bf16PairWriter(uint16_t* row, const uint16_t* keep = nullptr) : row_(row), keep_(keep) {}
   void operator()(int64_t c, vec_t<float> e) {
-    if (keep_) e = static_cast<vec_t<float>>(_mm512_maskz_mul_ps(keep_[c / 16], static_cast<__m512>(e), kept_));
     if (c % 32 == 0) {
       even_ = static_cast<__m512>(e);
     } else {
-      const __m512bh pair = _mm512_cvtne2ps_pbh(static_cast<__m512>(e), even_);
+      const __m512bh pair =
+          keep_ ? _mm512_maskz_cvtne2ps_pbh(keep_[c / 16 - 1] | (static_cast<__mmask32>(keep_[c / 16]) << 16),
+                                            static_cast<__m512>(e), even_)
+                : _mm512_cvtne2ps_pbh(static_cast<__m512>(e), even_);
       std::memcpy(row_ + c - 16, &pair, sizeof(pair));
     }
   }
@@ -55,7 +57,6 @@ class Bf16PairWriter {
  private:
   uint16_t* row_;
   const uint16_t* keep_;
-  __m512 kept_;
   __m512 even_ = _mm512_setzero_ps();
 };
 

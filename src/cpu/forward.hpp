@@ -208,11 +208,11 @@ inline void scale_row(T* x, int64_t n, T factor) {
   for (int64_t c = 0; c < n; c += W) vstore(x + c, vload(x + c) * factor);
 }
 
-// Writes out = o / l (0 where the row saw no key) and lse = m + log l (-inf there) for rows [i0, i0 + rows),
-// with the head's sink (-inf: none) folded into both (policy::fold_sink).
+// Writes out = out_scale * o / l (0 where the row saw no key) and lse = m + log l (-inf there) for rows
+// [i0, i0 + rows), with the head's sink (-inf: none) folded into both (policy::fold_sink).
 template <class T>
 inline void finish_rows(const Problem& p, T* o, int64_t ldo, const T* m, const T* l, int64_t rows,
-                        const RowPtr& orows, float* lse, int64_t i0, float sink) {
+                        const RowPtr& orows, float* lse, int64_t i0, float sink, T out_scale = T(1)) {
   for (int64_t r = 0; r < rows; ++r) {
     const bool empty = l[r] == T(0);
     T* orow = o + r * ldo;
@@ -223,12 +223,12 @@ inline void finish_rows(const Problem& p, T* o, int64_t ldo, const T* m, const T
     const T x = static_cast<T>(sink) - m[r];
     if (!empty && sink != kNegInf && x < T(64)) {
       const T total = l[r] + std::exp(x);
-      store_row<T>(orow, T(1) / total, orows.row(i0 + r), p.dtype, p.headdim_v);
+      store_row<T>(orow, out_scale / total, orows.row(i0 + r), p.dtype, p.headdim_v);
       if (lse) lse[i0 + r] = static_cast<float>(m[r] + std::log(total));
       continue;
     }
     const auto row = policy::fold_sink<T>(empty ? static_cast<T>(kNegInf) : m[r] + std::log(l[r]), sink);
-    store_row<T>(orow, empty ? T(0) : row.factor / l[r], orows.row(i0 + r), p.dtype, p.headdim_v);
+    store_row<T>(orow, empty ? T(0) : out_scale * row.factor / l[r], orows.row(i0 + r), p.dtype, p.headdim_v);
     if (lse) lse[i0 + r] = static_cast<float>(row.lse);
   }
 }

@@ -3,7 +3,7 @@
 //
 // Same algorithm and driver as forward.hpp (run_forward). Per key block of a query tile:
 //   S = Q Kᵀ (Product::scores)  ->  softcap / ALiBi / mask  ->  online softmax in fp32, P rounded to bf16
-//   (times dropout's keep factors)  ->  O += P V (Product::add_values)  ->  the seen keys' non-finite V.
+//   (dropout's dropped elements zeroed)  ->  O += P V (Product::add_values)  ->  the seen keys' non-finite V.
 // Q stays bf16 and unscaled: on plain, fully visible blocks the scale goes into the exponent, elsewhere S is
 // scaled before it is shaped. Accumulation is fp32; the softmax, masks and the running max/sum stay fp32 on
 // AVX-512. The product decides how Q, K and V are packed and how many rows a product runs on
@@ -107,10 +107,9 @@ struct Bf16Forward {
     const ScoreShape shape = score_shape(p, seq, h);
     const bool plain = shape.plain();
     const auto [first, last] = visible_keys(mask, i0, rows, seq.seqlen_k);
-    const bool dropping = p.dropout_p > 0.0f;  // P times its keep factors before O += P V (l stays undropped)
+    const bool dropping = p.dropout_p > 0.0f;  // dropped P zeroed before O += P V, O / (1 - p) at the end (l undropped)
     const DropoutDraw draw = dropout_draw(p);
     const uint32_t stream = dropout_stream(p, seq, h);
-    const float kept = static_cast<float>(draw.scale);
 
     for (int64_t kb = first / kBk; first <= last && kb <= last / kBk; ++kb) {
       const int64_t j0 = kb * kBk;
@@ -133,7 +132,7 @@ struct Bf16Forward {
           std::memset(prow, 0, cols * sizeof(uint16_t));
           continue;
         }
-        const Bf16PairWriter write(prow, dropping ? t.keep + r * (cols / 16) : nullptr, kept);
+        const Bf16PairWriter write(prow, dropping ? t.keep + r * (cols / 16) : nullptr);
         const float alpha = online_softmax_row<float>(t.s + r * kBk, cols, row_scale, t.m[r], t.l[r], write,
                                                       RowExpBf16{});
         if (alpha != 1.0f) scale_row<float>(t.o + r * ldo, ldo, alpha);
@@ -142,7 +141,7 @@ struct Bf16Forward {
       add_seen_nonfinite_values<float>(p, seq, h, t.v_flags + j0, j0, cols, i0, rows, t.o, ldo);
     }
     finish_rows<float>(p, t.o, ldo, t.m, t.l, rows, query_rows(p, p.out, seq, h), lse_row(p, seq, h), i0,
-                       sink_of(p, h));
+                       sink_of(p, h), dropping ? static_cast<float>(draw.scale) : 1.0f);
   }
 };
 
