@@ -30,6 +30,9 @@
 namespace flare::cpu::FLARE_ISA {
 
 inline constexpr int64_t kFewKeys = 8;
+// How far ahead the backward requests query rows: 799 x 3 at head dim 64, fp32, 2 threads on the EPYC took
+// 36-37 ms with none, 30-32 at 1, 28-31 at 2 to 16 (docs/tuning-cpu.md).
+inline constexpr int64_t kFewKeysPrefetchRows = 4;
 
 // Whether a backward call takes this path: every sequence has at most kFewKeys keys, no dropout, a compute
 // type of fp32 (fp64 keeps the FMA engine in double), and at least as many (sequence, kv head) groups as
@@ -100,13 +103,20 @@ struct FewKeysBackward {
     for (int64_t c = d; c < dp; ++c) t.q[c] = 0.0f;
     for (int64_t c = dv; c < dvp; ++c) t.dout[c] = t.o[c] = 0.0f;
     const policy::WindowMask mask = seq.mask(p);
-    const int64_t group = p.nheads / p.nheads_k;
+    const int64_t group = p.nheads / p.nheads_k, es = dtype_size(p.dtype);
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       const RowPtr qrows = query_rows(p, p.q, seq, h), dorows = query_rows(p, p.dout, seq, h),
                    orows = query_rows(p, p.out, seq, h), dqrows = query_rows(p, p.dq, seq, h);
       const float* lse = lse_row(p, seq, h);
       const ScoreShape shape = score_shape(p, seq, h);
       for (int64_t i = 0; i < seq.seqlen_q; ++i) {
+        // A row's Q, dO and O rows are requested kFewKeysPrefetchRows ahead: with the work of a few keys
+        // between them, the loads of one row after another are otherwise waited on one at a time.
+        if (i + kFewKeysPrefetchRows < seq.seqlen_q) {
+          prefetch_row(qrows.row(i + kFewKeysPrefetchRows), d * es);
+          prefetch_row(dorows.row(i + kFewKeysPrefetchRows), dv * es);
+          prefetch_row(orows.row(i + kFewKeysPrefetchRows), dv * es);
+        }
         const policy::KeyRange keys = mask.keys_of(i);
         const int64_t first = smax<int64_t>(keys.first, 0), last = smin<int64_t>(keys.last, seq.seqlen_k - 1);
         for (int64_t c = 0; c < dp; ++c) t.dq[c] = 0.0f;
