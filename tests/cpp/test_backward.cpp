@@ -132,6 +132,35 @@ TEST(BackwardFeatures, FewKeys) {
   }
 }
 
+TEST(BackwardFeatures, FewQueries) {
+  // fp32 calls whose sequences have at most 8 query rows (and more than 8 keys), with at least as many
+  // (sequence, kv head) groups as threads, take the key-at-a-time backward (cpu/few_queries.hpp); 9 rows the
+  // tile engines. Every option on each side, GQA groups of up to 3 query heads, dense and varlen (empty
+  // sequences and seqused_k included).
+  Rng rng;
+  for (int64_t sq : {1, 3, 8, 9})
+    for (int64_t sk : {9, 61, 300}) {
+      const int64_t hk = rng.integer(1, 2);
+      AttnCase c = dense_case(FLARE_DTYPE_F32, rng.integer(1, 3), sq, sk, hk * rng.integer(1, 3), hk,
+                              8 * rng.integer(1, 12), 8 * rng.integer(1, 12));
+      draw_score_options(c, rng, 4);
+      c.sinks = rng.coin();
+      c.num_threads = static_cast<int32_t>(rng.integer(1, std::min<int64_t>(3, c.batch() * hk)));
+      check_backward(c, rng, kFp32Tol);
+    }
+  AttnCase c = varlen_case(FLARE_DTYPE_F32, {5, 0, 8, 1, 3}, {30, 40, 200, 0, 90}, 4, 2, 40, 24);
+  c.seqused_k = {20, 40, 150, 0, 90};
+  c.causal = true;
+  c.sinks = true;
+  c.num_threads = 2;
+  check_backward(c, rng, kFp32Tol);
+  c.causal = false;
+  c.window_left = 30;
+  c.window_right = 2;
+  c.softcap = 20.0f;
+  check_backward(c, rng, kFp32Tol);
+}
+
 TEST(BackwardFeatures, SlidingWindow) {
   Rng rng;
   const std::vector<std::pair<int32_t, int32_t>> windows = {{0, 0}, {5, 0}, {-1, 3}, {9, -1}, {4, 7}, {2, 1}};

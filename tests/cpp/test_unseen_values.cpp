@@ -282,19 +282,21 @@ void expect_rows_match(const char* name, const std::vector<double>& want, int64_
   EXPECT_GE(finite_rows, min_finite_rows) << name;
 }
 
-// Dense backward, one sequence of 300 queries and keys (three key blocks of the FMA engine, five of the bf16
-// ones), 2 query heads on one kv head, head dim `dim`: key `bad` holds `v_value` in V and `k_value` in K. out and lse come
-// from flare's forward; dq (rows (query, head)), dk and dv (rows = keys) are checked against the reference,
-// dq in at least `clean_rows` rows (the rows that cannot see key `bad`, both heads).
+// Dense backward, one sequence of 300 keys (three key blocks of the FMA engine, five of the bf16 ones) and
+// `nq` queries (300; a few take the fp32 few-query backward), 2 query heads on one kv head, head dim `dim`: key
+// `bad` holds `v_value` in V and `k_value` in K. out and lse come from flare's forward; dq (rows (query,
+// head)), dk and dv (rows = keys) are checked against the reference, dq in at least `clean_rows` rows (the
+// rows that cannot see key `bad`, both heads).
 void dense_backward_case(flare_dtype dtype, int32_t causal, int32_t window_left, float softcap, int64_t bad,
-                         double v_value, double k_value, int64_t clean_rows, int64_t dim = 32) {
+                         double v_value, double k_value, int64_t clean_rows, int64_t dim = 32,
+                         int64_t nq = 300) {
   SCOPED_TRACE(std::string(dtype == FLARE_DTYPE_F32 ? "f32" : "bf16") + " causal " + std::to_string(causal) +
                " window_left " + std::to_string(window_left) + " softcap " + std::to_string(softcap) + " bad key " +
-               std::to_string(bad) + " dim " + std::to_string(dim));
+               std::to_string(bad) + " dim " + std::to_string(dim) + " queries " + std::to_string(nq));
   const int64_t n = 300, heads = 2;
-  Tensor q(dtype, {1, n, heads, dim}, 21), k(dtype, {1, n, 1, dim}, 22), v(dtype, {1, n, 1, dim}, 23),
-      out(dtype, {1, n, heads, dim}, 24), dout(dtype, {1, n, heads, dim}, 25), lse(FLARE_DTYPE_F32, {1, heads, n}),
-      dq(dtype, {1, n, heads, dim}, 26), dk(dtype, {1, n, 1, dim}, 27), dv(dtype, {1, n, 1, dim}, 28);
+  Tensor q(dtype, {1, nq, heads, dim}, 21), k(dtype, {1, n, 1, dim}, 22), v(dtype, {1, n, 1, dim}, 23),
+      out(dtype, {1, nq, heads, dim}, 24), dout(dtype, {1, nq, heads, dim}, 25), lse(FLARE_DTYPE_F32, {1, heads, nq}),
+      dq(dtype, {1, nq, heads, dim}, 26), dk(dtype, {1, n, 1, dim}, 27), dv(dtype, {1, n, 1, dim}, 28);
   fill_row(v, bad, dim, v_value);
   fill_row(k, bad, dim, k_value);
   flare_fwd_params f;
@@ -327,9 +329,10 @@ void dense_backward_case(flare_dtype dtype, int32_t causal, int32_t window_left,
   opts.window_left = window_left;
   opts.softcap = softcap;
   reference::Sequence seq;
-  seq.seqlen_q = seq.seqlen_k = n;
+  seq.seqlen_q = nq;
+  seq.seqlen_k = n;
   std::vector<double> dout_ref;
-  for (int64_t x = 0; x < n * heads * dim; ++x) {
+  for (int64_t x = 0; x < nq * heads * dim; ++x) {
     seq.q.push_back(get(q, x));
     dout_ref.push_back(get(dout, x));
   }
@@ -339,7 +342,7 @@ void dense_backward_case(flare_dtype dtype, int32_t causal, int32_t window_left,
   }
   const reference::Gradients ref = reference::backward({heads, 1, dim, dim}, opts, seq, dout_ref);
   const double tol = dtype == FLARE_DTYPE_F32 ? 1e-4 : 3e-2;
-  expect_rows_match("dq", ref.dq, n * heads, dim, [&](int64_t r, int64_t c) { return get(dq, r * dim + c); }, tol,
+  expect_rows_match("dq", ref.dq, nq * heads, dim, [&](int64_t r, int64_t c) { return get(dq, r * dim + c); }, tol,
                     clean_rows);
   expect_rows_match("dk", ref.dk, n, dim, [&](int64_t r, int64_t c) { return get(dk, r * dim + c); }, tol, 0);
   expect_rows_match("dv", ref.dv, n, dim, [&](int64_t r, int64_t c) { return get(dv, r * dim + c); }, tol, 0);
@@ -363,6 +366,17 @@ TEST(UnseenValues, BackwardWindowMaskedKeys) {
 }
 
 // Heads wider than 256: the rows that add a seen key's non-finite values back are as wide as the head.
+TEST(UnseenValues, BackwardFewQueries) {
+  // Three queries against 300 keys (fp32: the key-at-a-time backward of few_queries.hpp). Causal
+  // (bottom-right): row i sees keys 0..297 + i; with a window of 5, keys 292 + i..297 + i.
+  for (flare_dtype dtype : {FLARE_DTYPE_F32, FLARE_DTYPE_BF16}) {
+    dense_backward_case(dtype, 1, -1, 0.0f, 299, kNaN, 1.0, 2 * 2, 32, 3);    // only row 2 sees key 299
+    dense_backward_case(dtype, 1, -1, 30.0f, 298, 1.0, kNaN, 2 * 1, 40, 3);   // rows 1, 2 see key 298
+    dense_backward_case(dtype, 1, 5, 0.0f, 100, kInf, kNaN, 2 * 3, 32, 3);    // no row sees key 100
+    dense_backward_case(dtype, 1, 5, 0.0f, 291, kNaN, kNaN, 2 * 3, 32, 3);    // nor key 291
+  }
+}
+
 TEST(UnseenValues, WideHeads) {
   for (flare_dtype dtype : kDtypes) {
     dense_case(dtype, 1, -1, 150, kNaN, kInf, 512);
