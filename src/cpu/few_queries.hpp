@@ -180,17 +180,9 @@ inline size_t few_queries_backward_scratch(const Problem& p, int nt) {
   return scratch_bytes<FewQueriesBackward>(p, nt);
 }
 
-// One task per (sequence, kv head) group, handed out dynamically (a sequence's heads together where
-// batch_chunk says so); then the sinks' gradient (sinks.hpp).
+// One task per (sequence, kv head) group (run_group_tasks); then the sinks' gradient (sinks.hpp).
 inline void few_queries_backward(const Problem& p, void* scratch, int nt) {
-  Arena arena(scratch);
-  FewQueriesBackward::Scratch ws;
-  ws.layout(arena, p, nt);
-  const int64_t chunk = batch_chunk(p, nt);
-#pragma omp parallel for num_threads(nt) schedule(dynamic, chunk) collapse(2)
-  for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t hk = 0; hk < p.nheads_k; ++hk)
-      FewQueriesBackward::group(p, sequence_of(p, b), hk, ws, ws.threads[omp_get_thread_num()]);
+  run_group_tasks<FewQueriesBackward>(p, scratch, nt);
   sink_gradient(p, nt);
 }
 

@@ -84,6 +84,21 @@ inline int64_t batch_chunk(const Problem& p, int nt) {
   return equal_groups && p.batch >= 4 * int64_t{nt} ? p.nheads_k : 1;
 }
 
+// Lays out Engine's scratch and runs Engine::group(p, seq, hk, ws, this thread's scratch) for every
+// (sequence, kv head) group, one task per group handed out dynamically (a sequence's heads together where
+// batch_chunk says so): the backwards that stream one side of short sequences (few_keys.hpp, few_queries.hpp).
+template <class Engine>
+inline void run_group_tasks(const Problem& p, void* scratch, int nt) {
+  Arena arena(scratch);
+  typename Engine::Scratch ws;
+  ws.layout(arena, p, nt);
+  const int64_t chunk = batch_chunk(p, nt);
+#pragma omp parallel for num_threads(nt) schedule(dynamic, chunk) collapse(2)
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t hk = 0; hk < p.nheads_k; ++hk)
+      Engine::group(p, sequence_of(p, b), hk, ws, ws.threads[omp_get_thread_num()]);
+}
+
 // Lays out the engine's scratch and runs group(ws, seq, hk, tid, shared) for every group on a team of nt
 // threads; `shared` is std::true_type when the whole team runs the group together.
 template <class Engine, class Group>

@@ -100,6 +100,19 @@ TEST(BackwardFeatures, CausalAndRowsWithoutKeys) {
     }
 }
 
+// A dense case of sq queries against sk keys as the few-key and few-query tests draw it: 1-3 sequences, 1-2
+// kv heads of 1-3 query heads each, head dims 8-96, random score options and sinks, 1-3 threads (at most one
+// per (sequence, kv head) group).
+AttnCase short_side_case(Rng& rng, flare_dtype dtype, int64_t sq, int64_t sk) {
+  const int64_t hk = rng.integer(1, 2);
+  AttnCase c = dense_case(dtype, rng.integer(1, 3), sq, sk, hk * rng.integer(1, 3), hk, 8 * rng.integer(1, 12),
+                          8 * rng.integer(1, 12));
+  draw_score_options(c, rng, 4);
+  c.sinks = rng.coin();
+  c.num_threads = static_cast<int32_t>(rng.integer(1, std::min<int64_t>(3, c.batch() * hk)));
+  return c;
+}
+
 TEST(BackwardFeatures, FewKeys) {
   // Calls whose sequences have at most 8 keys, with at least as many (sequence, kv head) groups as threads,
   // take the row-at-a-time backward (cpu/few_keys.hpp); 9 keys the tile engines. Every option on each side,
@@ -114,13 +127,7 @@ TEST(BackwardFeatures, FewKeys) {
         // error is a single draw, sometimes far below what fp32 arithmetic on the rounded inputs gives (seen:
         // 1.1-1.4x the bound at one row and 8 keys, seeds 1565446105, 2071845613). Low precision takes rows >= 7.
         if (sq == 1 && dtype != FLARE_DTYPE_F32) continue;
-        const int64_t hk = rng.integer(1, 2);
-        AttnCase c = dense_case(dtype, rng.integer(1, 3), sq, sk, hk * rng.integer(1, 3), hk, 8 * rng.integer(1, 12),
-                                8 * rng.integer(1, 12));
-        draw_score_options(c, rng, 4);
-        c.sinks = rng.coin();
-        c.num_threads = static_cast<int32_t>(rng.integer(1, std::min<int64_t>(3, c.batch() * hk)));
-        check_backward(c, rng, kFp32Tol);
+        check_backward(short_side_case(rng, dtype, sq, sk), rng, kFp32Tol);
       }
   for (flare_dtype dtype : kBackwardDtypes) {
     AttnCase c = varlen_case(dtype, {5, 0, 300, 1, 9}, {3, 4, 8, 0, 1}, 4, 2, 40, 24);
@@ -139,15 +146,7 @@ TEST(BackwardFeatures, FewQueries) {
   // sequences and seqused_k included).
   Rng rng;
   for (int64_t sq : {1, 3, 8, 9})
-    for (int64_t sk : {9, 61, 300}) {
-      const int64_t hk = rng.integer(1, 2);
-      AttnCase c = dense_case(FLARE_DTYPE_F32, rng.integer(1, 3), sq, sk, hk * rng.integer(1, 3), hk,
-                              8 * rng.integer(1, 12), 8 * rng.integer(1, 12));
-      draw_score_options(c, rng, 4);
-      c.sinks = rng.coin();
-      c.num_threads = static_cast<int32_t>(rng.integer(1, std::min<int64_t>(3, c.batch() * hk)));
-      check_backward(c, rng, kFp32Tol);
-    }
+    for (int64_t sk : {9, 61, 300}) check_backward(short_side_case(rng, FLARE_DTYPE_F32, sq, sk), rng, kFp32Tol);
   AttnCase c = varlen_case(FLARE_DTYPE_F32, {5, 0, 8, 1, 3}, {30, 40, 200, 0, 90}, 4, 2, 40, 24);
   c.seqused_k = {20, 40, 150, 0, 90};
   c.causal = true;
