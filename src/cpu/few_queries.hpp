@@ -103,8 +103,9 @@ struct FewQueriesBackward {
         t.first[r] = smax<int64_t>(keys.first, 0);
         t.last[r] = smin<int64_t>(keys.last, seq.seqlen_k - 1);
         t.lse[r] = lse[i];
-        if (t.first[r] > t.last[r] || lse[i] == kNegInf) {
-          t.first[r] = 1, t.last[r] = 0;
+        if (t.first[r] > t.last[r] || lse[i] == kNegInf) {  // the row sees no key: it takes no part
+          t.first[r] = 1;
+          t.last[r] = 0;
           continue;
         }
         load_row<float>(qrows.row(i), p.dtype, q, d, scale);
