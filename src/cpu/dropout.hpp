@@ -276,20 +276,19 @@ inline PhiloxRoundKeys philox_round_keys(const philox::DropoutKey& key) {
   return k;
 }
 
-// Rounds first .. kRounds - 1 of Philox4x32-10 on c.
+// The steps of a round on 64-bit lanes (the maskz forms with every lane set, as in mulhilo): the 64-bit
+// products of the lanes' low words, a lane's high word moved to its low half, and a ^ b ^ c.
+inline __m512i mul_low_words(__m512i a, __m512i m) { return _mm512_maskz_mul_epu32(0xFF, a, m); }
 inline __m512i high_halves_down(__m512i x) { return _mm512_maskz_shuffle_epi32(0xFFFF, x, _MM_PERM_CDAB); }
+inline __m512i xor3(__m512i a, __m512i b, __m512i c) { return _mm512_ternarylogic_epi32(a, b, c, 0x96); }
+
+// Rounds first .. kRounds - 1 of Philox4x32-10 on c.
 inline PhiloxWide philox_wide(PhiloxWide c, const PhiloxRoundKeys& k, int first = 0) {
-  // The maskz forms with every lane set, as in mulhilo.
-  constexpr __mmask8 kAll64 = 0xFF;
-  constexpr __mmask16 kAll = 0xFFFF;
-  constexpr int kXor3 = 0x96;  // a ^ b ^ c
   const __m512i m0 = _mm512_set1_epi64(philox::kMul0), m1 = _mm512_set1_epi64(philox::kMul1);
   for (int round = first; round < philox::kRounds; ++round) {
-    const __m512i p0 = _mm512_maskz_mul_epu32(kAll64, c.w[0], m0), p1 = _mm512_maskz_mul_epu32(kAll64, c.w[2], m1);
-    const __m512i hi0 = _mm512_maskz_shuffle_epi32(kAll, p0, _MM_PERM_CDAB);
-    const __m512i hi1 = _mm512_maskz_shuffle_epi32(kAll, p1, _MM_PERM_CDAB);
-    c = PhiloxWide{{_mm512_ternarylogic_epi32(hi1, c.w[1], k.k0[round], kXor3), p1,
-                    _mm512_ternarylogic_epi32(hi0, c.w[3], k.k1[round], kXor3), p0}};
+    const __m512i p0 = mul_low_words(c.w[0], m0), p1 = mul_low_words(c.w[2], m1);
+    c = PhiloxWide{{xor3(high_halves_down(p1), c.w[1], k.k0[round]), p1,
+                    xor3(high_halves_down(p0), c.w[3], k.k1[round]), p0}};
   }
   return c;
 }
@@ -341,26 +340,25 @@ inline void dropout_rows_wide(const DropoutDraw& d, uint32_t stream, int64_t i0,
     //   round 2: w0 M0 = P depends on the group, w2 M1 = p2 on both: (hi(p2) ^ lo(c) ^ k0[2], lo(p2),
     //            hi(P) ^ lo(p) ^ k1[2], lo(P)).
     const __m512i m0 = _mm512_set1_epi64(philox::kMul0), m1 = _mm512_set1_epi64(philox::kMul1);
-    const auto mul = [](__m512i a, __m512i m) { return _mm512_maskz_mul_epu32(kAll64, a, m); };
-    const __m512i sm = mul(stream_w, m1);
+    const __m512i sm = mul_low_words(stream_w, m1);
     const __m512i row_key = _mm512_xor_si512(high_halves_down(sm), keys.k0[0]);  // round 0's w0 = row ^ row_key
     struct GroupTerms {
       __m512i d2, e0, e2, f3;
     } terms[2];
     for (int s = 0; s < 2; ++s) {
-      const __m512i gm = mul(group[s], m0);
-      const __m512i w2_1 = _mm512_ternarylogic_epi32(high_halves_down(gm), offset_w, keys.k1[0], 0x96);
-      const __m512i c = mul(w2_1, m1);
-      const __m512i w0_2 = _mm512_ternarylogic_epi32(high_halves_down(c), sm, keys.k0[1], 0x96);
-      const __m512i big_p = mul(w0_2, m0);
+      const __m512i gm = mul_low_words(group[s], m0);
+      const __m512i w2_1 = xor3(high_halves_down(gm), offset_w, keys.k1[0]);
+      const __m512i c = mul_low_words(w2_1, m1);
+      const __m512i w0_2 = xor3(high_halves_down(c), sm, keys.k0[1]);
+      const __m512i big_p = mul_low_words(w0_2, m0);
       terms[s] = {_mm512_xor_si512(gm, keys.k1[1]), _mm512_xor_si512(c, keys.k0[2]),
                   _mm512_xor_si512(high_halves_down(big_p), keys.k1[2]), big_p};
     }
     for (int64_t q0 = 0; q0 < pieces; q0 += 16) {
       uint64_t masks[4];
       for (int s = 0; s < 2; ++s) {
-        const __m512i p = mul(_mm512_xor_si512(row[s], row_key), m0);
-        const __m512i p2 = mul(_mm512_xor_si512(high_halves_down(p), terms[s].d2), m1);
+        const __m512i p = mul_low_words(_mm512_xor_si512(row[s], row_key), m0);
+        const __m512i p2 = mul_low_words(_mm512_xor_si512(high_halves_down(p), terms[s].d2), m1);
         const PhiloxWide w3{{_mm512_xor_si512(high_halves_down(p2), terms[s].e0), p2,
                              _mm512_xor_si512(p, terms[s].e2), terms[s].f3}};
         keep_bits(philox_wide(w3, keys, 3), masks + 2 * s);

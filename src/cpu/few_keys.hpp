@@ -169,15 +169,9 @@ struct FewKeysBackward {
     const float delta = hsum(dacc);
     float pr[C], ds[C];
     for (int j = 0; j < C; ++j) {
-      float x = hsum(sacc[j]), slope = 1.0f;
-      if (shape.softcap > 0) {
-        const float th = std::tanh(x / shape.softcap);
-        x = shape.softcap * th;
-        slope = 1.0f - th * th;
-      }
-      if (shape.alibi) x += policy::alibi_bias(shape.slope, mask.diagonal(i), first + j);
-      pr[j] = std::exp(x - lse);
-      ds[j] = pr[j] * (hsum(pacc[j]) - delta) * slope;
+      const ProbAndGrad e = backward_element(hsum(sacc[j]), hsum(pacc[j]), lse, delta, shape, mask.diagonal(i), first + j);
+      pr[j] = e.p;
+      ds[j] = e.ds;
     }
     for (int64_t c = 0; c < dp; c += W) {
       const V q = vload(t.q + c);

@@ -57,7 +57,7 @@ struct FewQueriesBackward {
       float *q, *dout, *dq;  // the group's rows: Q scaled, dO, dQ (unscaled)
       float *lse, *delta;    // per row
       int64_t *first, *last;  // the keys each row sees (first > last: none)
-      float* slope;           // ALiBi slope per query head of the group
+      ScoreShape* shape;      // per query head of the group: softcap, ALiBi slope
       float *k, *v;           // the key being worked on
       float *dk, *dv;         // its gradients
     };
@@ -73,7 +73,7 @@ struct FewQueriesBackward {
       for (int t = 0; t < nt; ++t) {
         PerThread pt{a.take<float>(rows * dp), a.take<float>(rows * dvp), a.take<float>(rows * dp),
                      a.take<float>(rows), a.take<float>(rows), a.take<int64_t>(rows), a.take<int64_t>(rows),
-                     a.take<float>(group), a.take<float>(dp), a.take<float>(dvp), a.take<float>(dp),
+                     a.take<ScoreShape>(group), a.take<float>(dp), a.take<float>(dvp), a.take<float>(dp),
                      a.take<float>(dvp)};
         if (threads) threads[t] = pt;
       }
@@ -86,7 +86,7 @@ struct FewQueriesBackward {
     using V = vec_t<float>;
     constexpr int W = Simd<float>::W;
     const int64_t d = p.headdim, dv = p.headdim_v, dp = ws.dp, dvp = ws.dvp, nq = seq.seqlen_q;
-    const int64_t group = p.nheads / p.nheads_k, rows = group * nq;
+    const int64_t group = p.nheads / p.nheads_k;
     const float scale = static_cast<float>(p.score.scale);
     const policy::WindowMask mask = seq.mask(p);
     for (int64_t g = 0; g < group; ++g) {
@@ -94,7 +94,7 @@ struct FewQueriesBackward {
       const RowPtr qrows = query_rows(p, p.q, seq, h), dorows = query_rows(p, p.dout, seq, h),
                    orows = query_rows(p, p.out, seq, h);
       const float* lse = lse_row(p, seq, h);
-      t.slope[g] = score_shape(p, seq, h).slope;
+      t.shape[g] = score_shape(p, seq, h);
       for (int64_t i = 0; i < nq; ++i) {
         const int64_t r = g * nq + i;
         float *q = t.q + r * dp, *dout = t.dout + r * dvp, *o = t.dv;  // O staged in dV's row (zeroed below)
@@ -121,8 +121,6 @@ struct FewQueriesBackward {
     const RowPtr krows = key_rows(p, p.k, seq, hk), vrows = key_rows(p, p.v, seq, hk);
     const RowPtr dkrows = key_rows(p, p.dk, seq, hk), dvrows = key_rows(p, p.dv, seq, hk);
     const int64_t es = dtype_size(p.dtype);
-    const float softcap = p.score.softcap;
-    const bool alibi = p.score.alibi_slopes != nullptr;
     for (int64_t c = d; c < dp; ++c) t.k[c] = 0.0f;
     for (int64_t c = dv; c < dvp; ++c) t.v[c] = 0.0f;
     for (int64_t j = 0; j < seq.seqlen_k; ++j) {
@@ -138,29 +136,24 @@ struct FewQueriesBackward {
       load_row<float>(vrows.row(j), p.dtype, t.v, dv, 1.0f);
       for (int64_t c = 0; c < dp; c += W) vstore(t.dk + c, V{});
       for (int64_t c = 0; c < dvp; c += W) vstore(t.dv + c, V{});
-      for (int64_t r = 0; r < rows; ++r) {
-        if (j < t.first[r] || j > t.last[r]) continue;
-        const float* q = t.q + r * dp;
-        const float* dout = t.dout + r * dvp;
-        V sacc{}, pacc{};
-        for (int64_t c = 0; c < dp; c += W) sacc += vload(q + c) * vload(t.k + c);
-        for (int64_t c = 0; c < dvp; c += W) pacc += vload(dout + c) * vload(t.v + c);
-        float x = hsum(sacc), slope = 1.0f;
-        if (softcap > 0) {
-          const float th = std::tanh(x / softcap);
-          x = softcap * th;
-          slope = 1.0f - th * th;
+      for (int64_t g = 0; g < group; ++g) {
+        for (int64_t i = 0; i < nq; ++i) {
+          const int64_t r = g * nq + i;
+          if (j < t.first[r] || j > t.last[r]) continue;
+          const float* q = t.q + r * dp;
+          const float* dout = t.dout + r * dvp;
+          V sacc{}, pacc{};
+          for (int64_t c = 0; c < dp; c += W) sacc += vload(q + c) * vload(t.k + c);
+          for (int64_t c = 0; c < dvp; c += W) pacc += vload(dout + c) * vload(t.v + c);
+          const auto [pr, ds] =
+              backward_element(hsum(sacc), hsum(pacc), t.lse[r], t.delta[r], t.shape[g], mask.diagonal(i), j);
+          float* dq = t.dq + r * dp;
+          for (int64_t c = 0; c < dp; c += W) {
+            vstore(t.dk + c, vload(t.dk + c) + ds * vload(q + c));
+            vstore(dq + c, vload(dq + c) + ds * vload(t.k + c));
+          }
+          for (int64_t c = 0; c < dvp; c += W) vstore(t.dv + c, vload(t.dv + c) + pr * vload(dout + c));
         }
-        const int64_t i = r % nq;
-        if (alibi) x += policy::alibi_bias(t.slope[r / nq], mask.diagonal(i), j);
-        const float pr = std::exp(x - t.lse[r]);
-        const float ds = pr * (hsum(pacc) - t.delta[r]) * slope;
-        float* dq = t.dq + r * dp;
-        for (int64_t c = 0; c < dp; c += W) {
-          vstore(t.dk + c, vload(t.dk + c) + ds * vload(q + c));
-          vstore(dq + c, vload(dq + c) + ds * vload(t.k + c));
-        }
-        for (int64_t c = 0; c < dvp; c += W) vstore(t.dv + c, vload(t.dv + c) + pr * vload(dout + c));
       }
       store_row<float>(t.dk, 1.0f, dkrows.row(j), p.dtype, d);
       store_row<float>(t.dv, 1.0f, dvrows.row(j), p.dtype, dv);

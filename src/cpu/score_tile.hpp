@@ -2,6 +2,8 @@
 // the key-range mask of each row (common/attention_policy.hpp), vectorised over the tile's columns.
 #pragma once
 
+#include <cmath>
+
 #include "common/attention_policy.hpp"
 #include "cpu/sequences.hpp"
 #include "cpu/simd.hpp"
@@ -15,6 +17,25 @@ struct ScoreShape {
   // Whether the scores need neither softcap nor ALiBi (only the mask may change them).
   bool plain() const { return softcap == 0 && !alibi; }
 };
+
+// One element of the row- and key-at-a-time backwards (few_keys.hpp, few_queries.hpp): the raw score x =
+// scale q.k of query row i (diagonal = mask.diagonal(i)) and key j shaped as the tiles shape it (softcap, then
+// ALiBi), P = exp(x - lse) and dS = P (dP - D), times 1 - tanh^2 under softcap.
+struct ProbAndGrad {
+  float p, ds;
+};
+inline ProbAndGrad backward_element(float x, float dp, float lse, float delta, const ScoreShape& shape,
+                                    int64_t diagonal, int64_t j) {
+  float slope = 1.0f;
+  if (shape.softcap > 0) {
+    const float th = std::tanh(x / shape.softcap);
+    x = shape.softcap * th;
+    slope = 1.0f - th * th;
+  }
+  if (shape.alibi) x += policy::alibi_bias(shape.slope, diagonal, j);
+  const float pr = std::exp(x - lse);
+  return {pr, pr * (dp - delta) * slope};
+}
 
 // The shaping of head h's scores in sequence seq: the problem's softcap, and ALiBi with this head's slope.
 inline ScoreShape score_shape(const Problem& p, const Sequence& seq, int64_t h) {
