@@ -187,9 +187,11 @@ inline void pack_backward_queries(const Problem& p, const Sequence& seq, int64_t
 }
 
 // Key block kb against query tile qt: accumulates dK/dV of the block and this thread's dQ of the tile.
+// `ahead`: the input rows of the query tile packed next, requested a row per row of P.
 template <class T, class Tiles>
 inline void backward_tile(const Problem& p, const Sequence& seq, int64_t h, int64_t kb, int64_t qt,
-                          const BackwardScratch<T, Tiles>& ws, const typename BackwardScratch<T, Tiles>::PerThread& t) {
+                          const BackwardScratch<T, Tiles>& ws, const typename BackwardScratch<T, Tiles>::PerThread& t,
+                          const RowsAhead& ahead) {
   using V = vec_t<T>;
   constexpr int W = Simd<T>::W;
   constexpr int64_t Bq = Tiles::kBq, Bk = Tiles::kBk;
@@ -214,7 +216,9 @@ inline void backward_tile(const Problem& p, const Sequence& seq, int64_t h, int6
     T* srow = t.s + r * Bk;
     const T lse = pk.lse[i0 + r];
     for (int64_t c = 0; c < cols; c += W) vstore(srow + c, RowExpFull::apply(vload(srow + c), T(1), lse));
+    ahead.request(r);
   }
+  for (int64_t r = rows; r < ahead.count; ++r) ahead.request(r);
   // Dropout (factors z: 0 or 1 / (1 - p)): dV += (P z)^T dO and dS = P (dP z - D), so dV waits for P z.
   const bool dropping = p.dropout_p > 0.0f;
   if (!dropping) gemm_tile<T, true, true>(cols, dvp, rows, t.s, Bk, dout, ldv, pk.dv + j0 * ldv, ldv);  // dV += P^T dO
@@ -282,8 +286,8 @@ struct FmaBackward {
     for (int64_t x = 0; x < n; x += W) vstore(ws.threads[tid].dq + x, V{});
   }
   static void tile(const Problem& p, const Sequence& seq, int64_t h, int64_t kb, int64_t qt, const Scratch& ws,
-                   int tid) {
-    backward_tile<T, Tiles>(p, seq, h, kb, qt, ws, ws.threads[tid]);
+                   int tid, const RowsAhead& ahead) {
+    backward_tile<T, Tiles>(p, seq, h, kb, qt, ws, ws.threads[tid], ahead);
   }
   // dq row i = scale * (this thread's dQ, or with Shared the sum of the team's buffers in thread order).
   template <bool Shared>
@@ -334,13 +338,32 @@ template <class Engine, bool Shared>
 inline void backward_group(const Problem& p, const Sequence& seq, int64_t hk, const typename Engine::Scratch& ws,
                            int tid, int nt) {
   constexpr int64_t Bq = Engine::kBq, Bk = Engine::kBk, G = key_blocks_per_step<Engine>();
-  const int64_t group = p.nheads / p.nheads_k;
+  const int64_t group = p.nheads / p.nheads_k, es = dtype_size(p.dtype);
   const policy::WindowMask mask = seq.mask(p);
   const int64_t nkb = (seq.seqlen_k + Bk - 1) / Bk, nqb = (seq.seqlen_q + Bq - 1) / Bq;
   team_loop<Shared>(nkb, [&](int64_t kb) { Engine::pack_keys(p, seq, hk, kb, ws, tid); });
   for (int64_t g = 0; g < group; ++g) {
     const int64_t h = hk * group + g;
-    team_loop<Shared>(nqb, [&](int64_t qt) { Engine::pack_queries(p, seq, h, qt, ws, tid); });
+    // Shared, the team packs every query tile first. Alone, a thread packs each tile when the steps first
+    // reach it (they reach tiles in increasing order: a later step's blocks see later queries, or the same)
+    // and, while a tile computes, requests the input rows of the tile it will pack next. The packs' reads,
+    // a head stride apart in memory, then come from the cache instead of stalling one row at a time.
+    int64_t packed = 0;  // tiles below it are packed or never visited (the tiles a step visits, in order, are
+                         // at or past those of the steps before it, but for the ones they share)
+    if constexpr (Shared) {
+      team_loop<Shared>(nqb, [&](int64_t qt) { Engine::pack_queries(p, seq, h, qt, ws, tid); });
+      packed = nqb;
+    }
+    const auto rows_ahead = [&](int64_t qt) {
+      RowsAhead a;
+      if (Shared || qt >= nqb || qt < packed) return a;
+      a.first = qt * Bq;
+      a.count = smin(Bq, seq.seqlen_q - a.first);
+      a.add(query_rows(p, p.q, seq, h), p.headdim * es);
+      a.add(query_rows(p, p.dout, seq, h), p.headdim_v * es);
+      a.add(query_rows(p, p.out, seq, h), p.headdim_v * es);
+      return a;
+    };
     Engine::clear_dq(seq, ws, tid);
     // Round-robin steps of G key blocks: under a causal mask late key blocks have fewer queries. A step walks
     // the union of its blocks' query tiles, each tile against each of its blocks that it sees, so that a
@@ -360,9 +383,19 @@ inline void backward_group(const Problem& p, const Sequence& seq, int64_t hk, co
         lo = smin(lo, tiles_first[kb - kb0]);
         hi = smax(hi, tiles_last[kb - kb0]);
       }
-      for (int64_t qt = lo; qt <= hi; ++qt)
-        for (int64_t kb = kb0; kb < kb1; ++kb)
-          if (qt >= tiles_first[kb - kb0] && qt <= tiles_last[kb - kb0]) Engine::tile(p, seq, h, kb, qt, ws, tid);
+      for (int64_t qt = lo; qt <= hi; ++qt) {
+        bool first = true;  // before the first of the tile's blocks: pack it if need be; that block requests
+                            // the next tile's rows
+        for (int64_t kb = kb0; kb < kb1; ++kb) {
+          if (qt < tiles_first[kb - kb0] || qt > tiles_last[kb - kb0]) continue;
+          if (!Shared && first && qt >= packed) {
+            Engine::pack_queries(p, seq, h, qt, ws, tid);
+            packed = qt + 1;
+          }
+          Engine::tile(p, seq, h, kb, qt, ws, tid, first ? rows_ahead(qt + 1) : RowsAhead{});
+          first = false;
+        }
+      }
     });
     const RowPtr dqrows = query_rows(p, p.dq, seq, h);
     team_loop<Shared>(seq.seqlen_q, [&](int64_t i) { Engine::template write_dq<Shared>(p, dqrows, i, ws, tid, nt); });

@@ -120,15 +120,18 @@ struct Bf16Backward {
   }
 
   // Key block kb against query tile qt: accumulates dK/dV of the block and this thread's dQ of the tile.
+  // `ahead`: the input rows of the query tile packed next, requested a part between products.
   static void tile(const Problem& p, const Sequence& seq, int64_t h, int64_t kb, int64_t qt, const Scratch& ws,
-                   int tid) {
+                   int tid, const RowsAhead& ahead) {
     const auto& t = ws.threads[tid];
     const auto& pk = *t.pack;
     const auto& dm = ws.dims;
     const int64_t i0 = qt * kBq, j0 = kb * kBk;
 
     Product::scores_t(dm, pk.k, pk.q_by_d, j0, i0, t.s);    // Sᵀ = K Qᵀ
+    ahead.request_part(0, 4);
     Product::dp_t(dm, pk.v, pk.do_by_dv, j0, i0, t.dp);     // dPᵀ = V dOᵀ
+    ahead.request_part(1, 4);
     const bool dropping = p.dropout_p > 0.0f;
     if (dropping) dropout_keys_major(dropout_draw(p), dropout_stream(p, seq, h), i0, kBq, j0, kBk, t.zt, kBq);
     bf16_backward_elementwise(p, seq, h, i0, j0, kBk, kBq, pk.lse + i0, pk.delta + i0, t.s, t.dp, t.tanh, t.p,
@@ -136,7 +139,9 @@ struct Bf16Backward {
     Product::pack_ds(dm, t.ds, t.ds_for_dq);
 
     Product::add_dv(dm, t.p, pk.do_by_query, i0, pk.dv + j0 * dm.dv_ld());   // dV += Pᵀ dO
+    ahead.request_part(2, 4);
     Product::add_dk(dm, t.ds, pk.q_by_query, i0, pk.dk + j0 * dm.dk_ld());   // dK += dSᵀ Q
+    ahead.request_part(3, 4);
     Product::add_dq(dm, pk.k_for_dq, t.ds_for_dq, j0, i0, t.dq);             // dQ += dS K
     // The non-finite K values of flagged keys, for the queries that see them (dSᵀ in fp32 is in t.dp).
     add_seen_nonfinite<float>(

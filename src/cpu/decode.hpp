@@ -104,9 +104,7 @@ struct DecodeScratch {
 
 // Requests bytes at row into L2 (prefetcht1): a chunk of every head (128 KiB of bf16 at 8 kv heads x 128)
 // is more than L1 holds.
-inline void prefetch_l2(const char* row, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
-}
+inline void prefetch_l2(const char* row, int64_t bytes) { prefetch_bytes<Fetch::kL2>(row, bytes); }
 
 // The next chunk's K and V rows, requested into L2 in memory order (key by key: a key's K rows of every head,
 // then its V rows), a slice of 1 / nh of them per head step, spread over that step's tiles a few rows per

@@ -253,7 +253,7 @@ inline void few_key_scores(int64_t rows, int64_t d, const T* q, int64_t ldq, con
   for (int64_t r = 0; r < rows; ++r) {
     const T* qr = q + r * ldq;
     if (r + 8 < rows) {
-      for (int64_t k = 0; k < d; k += 64 / static_cast<int64_t>(sizeof(T))) __builtin_prefetch(qr + 8 * ldq + k);
+      prefetch_bytes(qr + 8 * ldq, d * static_cast<int64_t>(sizeof(T)));
     }
     T* sr = s + r * lds;
     for (int64_t c = 0; c < n; ++c) {

@@ -94,8 +94,7 @@ struct Bf16Forward {
     for (int64_t r = 0; r < product_rows; ++r) {
       // Query rows lie a row of every head apart: requested 8 ahead, which the hardware prefetcher does not.
       if (r + 8 < rows) {
-        const char* ahead = qrows.row(i0 + r + 8);
-        for (int64_t x = 0; x < p.headdim * 2; x += 64) __builtin_prefetch(ahead + x);
+        prefetch_bytes(qrows.row(i0 + r + 8), p.headdim * 2);
       }
       const uint16_t* src = r < rows ? reinterpret_cast<const uint16_t*>(qrows.row(i0 + r)) : nullptr;
       Product::load_query_row(ws.dims, p, t.q + r * q_row, src);

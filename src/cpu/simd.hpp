@@ -31,6 +31,33 @@ struct Simd {
 
 template <class T> using vec_t = typename Simd<T>::V;
 
+// Cache-line requests. On x86 they are asm statements: GCC 12 deletes some loops whose body is only
+// __builtin_prefetch (seen with three rows' loops in a row, their lengths read from a struct, and with a
+// loop of operands around a loop of lines), so a request loop could compile to nothing without a word; an
+// asm volatile statement is never removed. kL1: into every level (prefetcht0); kL2: into L2 and below
+// (prefetcht1), for data a while ahead that would crowd L1; kWrite: for writing (prefetchw).
+enum class Fetch { kL1, kL2, kWrite };
+template <Fetch F = Fetch::kL1>
+inline void prefetch_line(const void* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  const char& line = *static_cast<const char*>(p);
+  if constexpr (F == Fetch::kL1) {
+    asm volatile("prefetcht0 %0" : : "m"(line));
+  } else if constexpr (F == Fetch::kL2) {
+    asm volatile("prefetcht1 %0" : : "m"(line));
+  } else {
+    asm volatile("prefetchw %0" : : "m"(line));
+  }
+#else
+  __builtin_prefetch(p, F == Fetch::kWrite ? 1 : 0, F == Fetch::kL2 ? 2 : 3);
+#endif
+}
+// Every line of bytes at p.
+template <Fetch F = Fetch::kL1>
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) prefetch_line<F>(static_cast<const char*>(p) + b);
+}
+
 template <class T>
 inline vec_t<T> vload(const T* p) {
   vec_t<T> v;
