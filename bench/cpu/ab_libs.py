@@ -8,8 +8,13 @@ dim 128, dense full cache) at batch 1 over 1K keys with one copy of the cache (i
 cache: the pass's arithmetic rate), and batch 1 / 4 over 8K and 32K keys reading the next of copies that add up
 to at least 1 GiB (memory); GB/s of cache read, and the largest difference between the two builds' outputs.
 
+--features instead: bench_features.py's shape (8192 tokens, seqlen 2048, width 1024), forward and backward
+without the features, full and causal: fp32 and bf16 at head dim 128, bf16 at 256 and 512 (the rows its
+ratios are taken against).
+
   python3 bench/cpu/ab_libs.py OLD.so NEW.so --out bench/results/cpu-ab-<date>-<sha>.json
   python3 bench/cpu/ab_libs.py OLD.so NEW.so --decode --dtypes bf16 --runs 40 --out ...
+  python3 bench/cpu/ab_libs.py OLD.so NEW.so --features --runs 5 --out ...
 """
 
 import argparse
@@ -25,6 +30,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parents[1] / "python")]
 
 import meta  # noqa: E402
 import bench_decode  # noqa: E402
+import bench_features  # noqa: E402
 from bench_cpu import RACE_BATCH, RACE_HEADDIM, RACE_HEADS, RACE_SEQLENS, FlareRunner  # noqa: E402
 from flare._capi import Flare  # noqa: E402
 
@@ -40,11 +46,17 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "fp16"])
     ap.add_argument("--decode", action="store_true", help="decode steps instead of the race shapes")
+    ap.add_argument("--features", action="store_true", help="bench_features.py's shapes instead of the race shapes")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     libs = [Flare(args.old), Flare(args.new)]
     gen = torch.Generator().manual_seed(0)
-    rows = decode_rows(libs, args, gen) if args.decode else race_rows(libs, args, gen)
+    if args.decode:
+        rows = decode_rows(libs, args, gen)
+    elif args.features:
+        rows = feature_rows(libs, args, gen)
+    else:
+        rows = race_rows(libs, args, gen)
     doc = {"meta": {**meta.provenance(__file__), "device": meta.cpu_description(), "threads": args.threads,
                     "libs": {"old": str(args.old), "new": str(args.new)}, "runs": args.runs},
            "rows": rows}
@@ -88,6 +100,49 @@ def decode_rows(libs, args, gen):
     return rows
 
 
+# (dtype, head dim) of the --features rows; each runs forward and backward, full and causal.
+FEATURE_SHAPES = [("fp32", 128), ("bf16", 128), ("bf16", 256), ("bf16", 512)]
+
+
+def feature_rows(libs, args, gen):
+    rows = []
+    for dtype_name, headdim in FEATURE_SHAPES:
+        batch, heads = bench_features.TOKENS // bench_features.SEQLEN, bench_features.WIDTH // headdim
+        make = lambda: torch.randn(batch, bench_features.SEQLEN, heads, headdim, generator=gen).to(DTYPES[dtype_name])  # noqa: E731
+        q, k, v, dout = make(), make(), make(), make()
+        for causal in (False, True):
+            runners = [FlareRunner(lib, q, k, v, dout, causal, args.threads) for lib in libs]
+            rows += timed_passes(runners, args, {"dtype": dtype_name, "batch": batch, "nheads": heads,
+                                                 "headdim": headdim, "seqlen_q": bench_features.SEQLEN,
+                                                 "seqlen_k": bench_features.SEQLEN, "causal": causal})
+    return rows
+
+
+def timed_passes(runners, args, shape):
+    """Forward then backward of two FlareRunners, interleaved: a row each with both medians and whether the
+    outputs are bitwise equal."""
+    rows = []
+    for pass_ in ("fwd", "bwd"):
+        for r in runners:
+            r.fwd()
+            r.bwd()
+        times = [[], []]
+        for _ in range(args.runs):
+            for i, r in enumerate(runners):
+                t0 = time.perf_counter()
+                r.fwd() if pass_ == "fwd" else r.bwd()
+                times[i].append((time.perf_counter() - t0) * 1e3)
+        old_ms, new_ms = (statistics.median(t) for t in times)
+        outs = [(r.out,) if pass_ == "fwd" else (r.dq, r.dk, r.dv) for r in runners]
+        equal = all(torch.equal(a, b) for a, b in zip(*outs))
+        rows.append({"pass": pass_, **shape, "old_ms": round(old_ms, 4), "new_ms": round(new_ms, 4),
+                     "speedup": round(old_ms / new_ms, 3), "bitwise_equal": equal})
+        print(f"{pass_} {shape['dtype']} {shape['seqlen_q']}x{shape['seqlen_k']} hd{shape['headdim']}"
+              f"{' causal' if shape['causal'] else ''}: old {old_ms:.2f} new {new_ms:.2f} ms"
+              f"  x{old_ms / new_ms:.2f}  bitwise-equal {equal}", flush=True)
+    return rows
+
+
 def race_rows(libs, args, gen):
     rows = []
     for dtype_name in args.dtypes:
@@ -95,25 +150,9 @@ def race_rows(libs, args, gen):
             make = lambda s: torch.randn(RACE_BATCH, s, RACE_HEADS, RACE_HEADDIM, generator=gen).to(DTYPES[dtype_name])  # noqa: E731
             q, k, v, dout = make(sq), make(sk), make(sk), make(sq)
             runners = [FlareRunner(lib, q, k, v, dout, False, args.threads) for lib in libs]
-            for pass_ in ("fwd", "bwd"):
-                for r in runners:
-                    r.fwd()
-                    r.bwd()
-                times = [[], []]
-                for _ in range(args.runs):
-                    for i, r in enumerate(runners):
-                        t0 = time.perf_counter()
-                        r.fwd() if pass_ == "fwd" else r.bwd()
-                        times[i].append((time.perf_counter() - t0) * 1e3)
-                old_ms, new_ms = (statistics.median(t) for t in times)
-                outs = [(r.out,) if pass_ == "fwd" else (r.dq, r.dk, r.dv) for r in runners]
-                equal = all(torch.equal(a, b) for a, b in zip(*outs))
-                rows.append({"pass": pass_, "dtype": dtype_name, "batch": RACE_BATCH, "nheads": RACE_HEADS,
-                             "headdim": RACE_HEADDIM, "seqlen_q": sq, "seqlen_k": sk, "causal": False,
-                             "old_ms": round(old_ms, 4), "new_ms": round(new_ms, 4),
-                             "speedup": round(old_ms / new_ms, 3), "bitwise_equal": equal})
-                print(f"{pass_} {dtype_name} {sq}x{sk}: old {old_ms:.2f} new {new_ms:.2f} ms  x{old_ms / new_ms:.2f}"
-                      f"  bitwise-equal {equal}", flush=True)
+            rows += timed_passes(runners, args, {"dtype": dtype_name, "batch": RACE_BATCH, "nheads": RACE_HEADS,
+                                                 "headdim": RACE_HEADDIM, "seqlen_q": sq, "seqlen_k": sk,
+                                                 "causal": False})
     return rows
 
 

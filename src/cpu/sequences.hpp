@@ -32,13 +32,22 @@ struct RowPtr {
 
 // Requests one input row (bytes long) into the caches ahead of its copy into a pack. Rows of one head sit
 // a head stride apart (often a power of two of 1 KiB or more), a pattern the hardware prefetchers follow
-// poorly across pages, and the packing copies are bound by these reads: fetching kPrefetchRows rows ahead
-// made a seqlen-512 fp32 forward at head dim 64 ~10% faster.
+// poorly across pages, and the packing copies are bound by these reads.
 inline constexpr int64_t kPrefetchRows = 8;
 inline void prefetch_row(const char* row, int64_t bytes) { prefetch_bytes(row, bytes); }
+
+// Whether the packs request their input rows ahead (prefetch_ahead, RowsAhead). Not at the AMX level: on
+// Sapphire Rapids the requests made the passes 1-9% slower, where on Zen 4 (the avx512bf16 level) they made
+// them up to 21% faster (docs/tuning-cpu.md).
+#if defined(__AMX_TILE__)
+inline constexpr bool kRequestPackRows = false;
+#else
+inline constexpr bool kRequestPackRows = true;
+#endif
+
 // The copy of row i of `rows` (n rows) is under way: request row i + kPrefetchRows, where there is one.
 inline void prefetch_ahead(const RowPtr& rows, int64_t i, int64_t n, int64_t bytes) {
-  if (i + kPrefetchRows < n) prefetch_row(rows.row(i + kPrefetchRows), bytes);
+  if (kRequestPackRows && i + kPrefetchRows < n) prefetch_row(rows.row(i + kPrefetchRows), bytes);
 }
 
 // The input rows a pack will copy next (up to three operands, rows [first, first + count)), requested into
@@ -57,7 +66,7 @@ struct RowsAhead {
   }
   // Requests row first + i of every operand (nothing past count).
   void request(int64_t i) const {
-    if (i >= count) return;
+    if (!kRequestPackRows || i >= count) return;
     for (int a = 0; a < operands; ++a) prefetch_bytes<Fetch::kL2>(rows[a].row(first + i), bytes[a]);
   }
   // Requests part `part` of `parts` equal parts of the rows.
