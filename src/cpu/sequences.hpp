@@ -37,8 +37,8 @@ inline constexpr int64_t kPrefetchRows = 8;
 inline void prefetch_row(const char* row, int64_t bytes) { prefetch_bytes(row, bytes); }
 
 // Whether the packs request their input rows ahead (prefetch_ahead, RowsAhead). Not at the AMX level: on
-// Sapphire Rapids the requests made the passes 1-9% slower, where on Zen 4 (the avx512bf16 level) they made
-// them up to 21% faster (docs/tuning-cpu.md).
+// Sapphire Rapids, whose prefetchers follow these rows, the requests cost more than they saved, where on Zen 4
+// (the avx512bf16 level) they pay (docs/tuning-cpu.md).
 #if defined(__AMX_TILE__)
 inline constexpr bool kRequestPackRows = false;
 #else
