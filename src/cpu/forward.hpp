@@ -213,7 +213,11 @@ inline void scale_row(T* x, int64_t n, T factor) {
 template <class T>
 inline void finish_rows(const Problem& p, T* o, int64_t ldo, const T* m, const T* l, int64_t rows,
                         const RowPtr& orows, float* lse, int64_t i0, float sink, T out_scale = T(1)) {
+  const int64_t obytes = p.headdim_v * dtype_size(p.dtype);
   for (int64_t r = 0; r < rows; ++r) {
+    // Output rows lie a row of every head apart, in memory a call has often just allocated: each is requested
+    // for writing kPrefetchRows ahead.
+    if (r + kPrefetchRows < rows) prefetch_bytes<Fetch::kWrite>(orows.row(i0 + r + kPrefetchRows), obytes);
     const bool empty = l[r] == T(0);
     T* orow = o + r * ldo;
     if (empty) for (int64_t c = 0; c < p.headdim_v; ++c) orow[c] = T(0);
