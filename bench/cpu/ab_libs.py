@@ -127,8 +127,12 @@ def timed_passes(runners, args, shape):
             r.fwd()
             r.bwd()
         times = [[], []]
-        for _ in range(args.runs):
-            for i, r in enumerate(runners):
+        for round_ in range(args.runs):
+            # ABBA order: each call allocates its outputs, and the allocator can hand one library recycled
+            # pages and the other fresh ones round after round (seen as a steady 0.6-0.85x on one row that
+            # interleaved single-library timings put level).
+            for i in ((0, 1) if round_ % 2 == 0 else (1, 0)):
+                r = runners[i]
                 t0 = time.perf_counter()
                 r.fwd() if pass_ == "fwd" else r.bwd()
                 times[i].append((time.perf_counter() - t0) * 1e3)
