@@ -35,7 +35,8 @@ template <class T> using vec_t = typename Simd<T>::V;
 // __builtin_prefetch (seen with three rows' loops in a row, their lengths read from a struct, and with a
 // loop of operands around a loop of lines), so a request loop could compile to nothing without a word; an
 // asm volatile statement is never removed. kL1: into every level (prefetcht0); kL2: into L2 and below
-// (prefetcht1), for data a while ahead that would crowd L1; kWrite: for writing (prefetchw).
+// (prefetcht1), for data a while ahead that would crowd L1; kWrite: for writing (prefetchw where the
+// processor has it, as every one with AVX-512 does; else prefetcht0).
 enum class Fetch { kL1, kL2, kWrite };
 template <Fetch F = Fetch::kL1>
 inline void prefetch_line(const void* p) {
@@ -46,7 +47,11 @@ inline void prefetch_line(const void* p) {
   } else if constexpr (F == Fetch::kL2) {
     asm volatile("prefetcht1 %0" : : "m"(line));
   } else {
+#  if defined(__PRFCHW__) || defined(__AVX512F__)
     asm volatile("prefetchw %0" : : "m"(line));
+#  else
+    asm volatile("prefetcht0 %0" : : "m"(line));  // as GCC lowers a write prefetch without PRFCHW
+#  endif
   }
 #else
   __builtin_prefetch(p, F == Fetch::kWrite ? 1 : 0, F == Fetch::kL2 ? 2 : 3);
