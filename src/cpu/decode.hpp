@@ -102,10 +102,6 @@ struct DecodeScratch {
   }
 };
 
-// Requests bytes at row into L2 (prefetcht1): a chunk of every head (128 KiB of bf16 at 8 kv heads x 128)
-// is more than L1 holds.
-inline void prefetch_l2(const char* row, int64_t bytes) { prefetch_bytes<Fetch::kL2>(row, bytes); }
-
 // The next chunk's K and V rows, requested into L2 in memory order (key by key: a key's K rows of every head,
 // then its V rows), a slice of 1 / nh of them per head step, spread over that step's tiles a few rows per
 // call. Issued in one burst per head step, the slice's prefetches (256 at bf16, 8 kv heads) filled the
@@ -153,7 +149,8 @@ class ChunkPrefetch {
     for (int64_t i = 0; i < rows && j_ < j_end_; ++i) {
       const int64_t bytes = v_side_ ? vbytes_ : kbytes_;
       at_ = x_ > 0 && adjacent_[v_side_] ? at_ + bytes : (v_side_ ? v_ : k_)[x_].row(j_);
-      prefetch_l2(at_, bytes);
+      // Into L2 (prefetcht1): a chunk of every head (128 KiB of bf16 at 8 kv heads x 128) is more than L1 holds.
+      prefetch_bytes<Fetch::kL2>(at_, bytes);
       if (++x_ == nh_) {
         x_ = 0;
         if (v_side_) ++j_;

@@ -114,9 +114,9 @@ struct FewKeysBackward {
         // A row's Q, dO and O rows are requested kFewKeysPrefetchRows ahead: with the work of a few keys
         // between them, the loads of one row after another are otherwise waited on one at a time.
         if (i + kFewKeysPrefetchRows < seq.seqlen_q) {
-          prefetch_row(qrows.row(i + kFewKeysPrefetchRows), d * es);
-          prefetch_row(dorows.row(i + kFewKeysPrefetchRows), dv * es);
-          prefetch_row(orows.row(i + kFewKeysPrefetchRows), dv * es);
+          prefetch_bytes(qrows.row(i + kFewKeysPrefetchRows), d * es);
+          prefetch_bytes(dorows.row(i + kFewKeysPrefetchRows), dv * es);
+          prefetch_bytes(orows.row(i + kFewKeysPrefetchRows), dv * es);
         }
         const policy::KeyRange keys = mask.keys_of(i);
         const int64_t first = smax<int64_t>(keys.first, 0), last = smin<int64_t>(keys.last, seq.seqlen_k - 1);

@@ -35,8 +35,6 @@ inline constexpr int64_t kFewQueries = 8;
 // 64, fp32, 2 threads on the EPYC: writes requested 8 ahead 1.21-1.26x the tile engines, none 1.10x.
 inline constexpr int64_t kFewQueriesPrefetchRows = 4, kFewQueriesWritePrefetchRows = 8;
 
-inline void prefetch_row_for_write(char* row, int64_t bytes) { prefetch_bytes<Fetch::kWrite>(row, bytes); }
-
 // Whether a backward call takes this path: fp32, every sequence has at most kFewQueries query rows, no
 // dropout, and at least as many (sequence, kv head) groups as threads (one task per group). Calls of at most
 // kFewKeys keys take few_keys.hpp's path first.
@@ -123,12 +121,12 @@ struct FewQueriesBackward {
     for (int64_t c = dv; c < dvp; ++c) t.v[c] = 0.0f;
     for (int64_t j = 0; j < seq.seqlen_k; ++j) {
       if (j + kFewQueriesPrefetchRows < seq.seqlen_k) {
-        prefetch_row(krows.row(j + kFewQueriesPrefetchRows), d * es);
-        prefetch_row(vrows.row(j + kFewQueriesPrefetchRows), dv * es);
+        prefetch_bytes(krows.row(j + kFewQueriesPrefetchRows), d * es);
+        prefetch_bytes(vrows.row(j + kFewQueriesPrefetchRows), dv * es);
       }
       if (j + kFewQueriesWritePrefetchRows < seq.seqlen_k) {
-        prefetch_row_for_write(dkrows.row(j + kFewQueriesWritePrefetchRows), d * es);
-        prefetch_row_for_write(dvrows.row(j + kFewQueriesWritePrefetchRows), dv * es);
+        prefetch_bytes<Fetch::kWrite>(dkrows.row(j + kFewQueriesWritePrefetchRows), d * es);
+        prefetch_bytes<Fetch::kWrite>(dvrows.row(j + kFewQueriesWritePrefetchRows), dv * es);
       }
       load_row<float>(krows.row(j), p.dtype, t.k, d, 1.0f);
       load_row<float>(vrows.row(j), p.dtype, t.v, dv, 1.0f);

@@ -34,7 +34,6 @@ struct RowPtr {
 // a head stride apart (often a power of two of 1 KiB or more), a pattern the hardware prefetchers follow
 // poorly across pages, and the packing copies are bound by these reads.
 inline constexpr int64_t kPrefetchRows = 8;
-inline void prefetch_row(const char* row, int64_t bytes) { prefetch_bytes(row, bytes); }
 
 // Whether the packs request their input rows ahead (prefetch_ahead, RowsAhead). Not at the AMX level: on
 // Sapphire Rapids, whose prefetchers follow these rows, the requests cost more than they saved, where on Zen 4
@@ -47,7 +46,7 @@ inline constexpr bool kRequestPackRows = true;
 
 // The copy of row i of `rows` (n rows) is under way: request row i + kPrefetchRows, where there is one.
 inline void prefetch_ahead(const RowPtr& rows, int64_t i, int64_t n, int64_t bytes) {
-  if (kRequestPackRows && i + kPrefetchRows < n) prefetch_row(rows.row(i + kPrefetchRows), bytes);
+  if (kRequestPackRows && i + kPrefetchRows < n) prefetch_bytes(rows.row(i + kPrefetchRows), bytes);
 }
 
 // The input rows a pack will copy next (up to three operands, rows [first, first + count)), requested into
