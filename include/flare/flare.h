@@ -117,10 +117,10 @@ FLARE_API flare_tensor flare_tensor_contiguous(void* data, flare_dtype dtype, fl
  * (the batch index, or the varlen sequence), query head h, query i and key j counted within the sequence —
  * the same on every backend, tiling and thread count: element (b, h, i, j) is kept when byte j % 16 of the
  * 16 bytes (words w0..w3, each little-endian) of
- *   Philox4x32-10(counter = {j / 16, i, b * nheads + h, (uint32) dropout_offset},
- *                 key = {(uint32) dropout_seed, (uint32)(dropout_seed >> 32) ^ (uint32)(dropout_offset >> 32)})
+ *   Philox4x32-7(counter = {j / 16, i, b * nheads + h, (uint32) dropout_offset},
+ *                key = {(uint32) dropout_seed, (uint32)(dropout_seed >> 32) ^ (uint32)(dropout_offset >> 32)})
  * is >= min(round(256 dropout_p), 255) (counter words modulo 2^32): the keep probability has a resolution of
- * 1/256, as in FlashAttention 2. The backward must be given the
+ * 1/256, and Philox runs seven rounds, as in FlashAttention 2. The backward must be given the
  * forward's dropout_p, dropout_seed and dropout_offset: it draws the same mask again. flare_dropout_mask
  * writes the mask of one sequence. CUDA devices: the sm80 kernels run it (a forced sm90 forward refuses it). */
 

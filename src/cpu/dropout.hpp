@@ -56,7 +56,7 @@ inline void mulhilo(PhiloxU32 a, uint32_t m, PhiloxU32& hi, PhiloxU32& lo) {
 #endif
 }
 
-// philox::philox4x32_10 on every lane.
+// philox::philox4x32 on every lane.
 inline PhiloxLanes philox_lanes(PhiloxLanes c, uint32_t k0, uint32_t k1) {
   for (int round = 0; round < philox::kRounds; ++round) {
     PhiloxU32 hi0{}, lo0{}, hi1{}, lo1{};
@@ -282,7 +282,7 @@ inline __m512i mul_low_words(__m512i a, __m512i m) { return _mm512_maskz_mul_epu
 inline __m512i high_halves_down(__m512i x) { return _mm512_maskz_shuffle_epi32(0xFFFF, x, _MM_PERM_CDAB); }
 inline __m512i xor3(__m512i a, __m512i b, __m512i c) { return _mm512_ternarylogic_epi32(a, b, c, 0x96); }
 
-// Rounds first .. kRounds - 1 of Philox4x32-10 on c.
+// Rounds first .. kRounds - 1 of dropout's Philox on c.
 inline PhiloxWide philox_wide(PhiloxWide c, const PhiloxRoundKeys& k, int first = 0) {
   const __m512i m0 = _mm512_set1_epi64(philox::kMul0), m1 = _mm512_set1_epi64(philox::kMul1);
   for (int round = first; round < philox::kRounds; ++round) {

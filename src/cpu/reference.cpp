@@ -113,7 +113,7 @@ bool dropout_keeps(const Options& opts, int64_t nheads, int64_t h, int64_t i, in
   const philox::Words counter{{static_cast<uint32_t>(j / 16), static_cast<uint32_t>(i),
                                static_cast<uint32_t>(opts.sequence * nheads + h),
                                static_cast<uint32_t>(opts.dropout_offset)}};
-  const philox::Words words = philox::philox4x32_10(counter, k0, k1);
+  const philox::Words words = philox::philox4x32(counter, k0, k1);
   const int64_t x = j % 16;  // byte x of the 16 output bytes, the words little-endian
   const uint32_t byte = (words.w[x / 4] >> (8 * (x % 4))) & 0xFFu;
   const double threshold = std::min(std::floor(opts.dropout_p * 256.0 + 0.5), 255.0);

@@ -1,5 +1,6 @@
-// test_dropout.cpp — attention dropout (flare.h "Dropout"): Philox4x32-10 against the published known-answer
-// vectors; flare_dropout_mask's statistics and independence; the forward's mask read back exactly and equal to
+// test_dropout.cpp — attention dropout (flare.h "Dropout"): Philox4x32 (7 rounds, and 10) against the published
+// known-answer vectors; flare_dropout_mask's statistics and independence (across seeds and heads, and between
+// neighbouring elements); the forward's mask read back exactly and equal to
 // flare_dropout_mask's; forward and backward against the fp64 reference drawing the same mask (every dtype,
 // masks, GQA, varlen, sinks); determinism; bad dropout arguments.
 #include <cmath>
@@ -19,22 +20,36 @@ constexpr double kFp32Tol = 1e-5;
 const flare_dtype kAllDtypes[] = {FLARE_DTYPE_F32, FLARE_DTYPE_BF16, FLARE_DTYPE_F16, FLARE_DTYPE_F64};
 
 TEST(Dropout, PhiloxKnownAnswers) {
-  // Random123's kat_vectors for philox4x32 with 10 rounds: counter, key -> output.
+  // Random123's kat_vectors for philox4x32: counter, key -> output, at 7 rounds (dropout's) and at 10.
   struct Kat {
     philox::Words counter;
     uint32_t k0, k1;
     philox::Words expected;
   };
-  const Kat kats[] = {
-      {{{0, 0, 0, 0}}, 0, 0, {{0x6627e8d5u, 0xe169c58du, 0xbc57ac4cu, 0x9b00dbd8u}}},
-      {{{0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu}}, 0xffffffffu, 0xffffffffu,
-       {{0x408f276du, 0x41c83b0eu, 0xa20bc7c6u, 0x6d5451fdu}}},
-      {{{0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u}}, 0xa4093822u, 0x299f31d0u,
-       {{0xd16cfe09u, 0x94fdccebu, 0x5001e420u, 0x24126ea1u}}},
+  const philox::Words zeros{{0, 0, 0, 0}}, ones{{0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu}};
+  const philox::Words pi{{0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u}};
+  const Kat seven[] = {
+      {zeros, 0, 0, {{0x5f6fb709u, 0x0d893f64u, 0x4f121f81u, 0x4f730a48u}}},
+      {ones, 0xffffffffu, 0xffffffffu, {{0x5207ddc2u, 0x45165e59u, 0x4d8ee751u, 0x8c52f662u}}},
+      {pi, 0xa4093822u, 0x299f31d0u, {{0x4dfccabau, 0x190a87f0u, 0xc47362bau, 0xb6b5242au}}},
   };
-  for (const Kat& k : kats) {
-    const philox::Words got = philox::philox4x32_10(k.counter, k.k0, k.k1);
-    for (int w = 0; w < 4; ++w) EXPECT_EQ(got.w[w], k.expected.w[w]) << "word " << w;
+  const Kat ten[] = {
+      {zeros, 0, 0, {{0x6627e8d5u, 0xe169c58du, 0xbc57ac4cu, 0x9b00dbd8u}}},
+      {ones, 0xffffffffu, 0xffffffffu, {{0x408f276du, 0x41c83b0eu, 0xa20bc7c6u, 0x6d5451fdu}}},
+      {pi, 0xa4093822u, 0x299f31d0u, {{0xd16cfe09u, 0x94fdccebu, 0x5001e420u, 0x24126ea1u}}},
+  };
+  static_assert(philox::kRounds == 7, "dropout's mapping (flare.h) is Philox4x32-7");
+  for (const Kat& k : seven) {
+    const philox::Words got = philox::philox4x32(k.counter, k.k0, k.k1);
+    for (int w = 0; w < 4; ++w) EXPECT_EQ(got.w[w], k.expected.w[w]) << "7 rounds, word " << w;
+    // dropout_words is the same function on (group, i, stream, offset).
+    const philox::Words d = philox::dropout_words(philox::DropoutKey{k.k0, k.k1, k.counter.w[3]}, k.counter.w[2],
+                                                  k.counter.w[1], k.counter.w[0]);
+    for (int w = 0; w < 4; ++w) EXPECT_EQ(d.w[w], k.expected.w[w]) << "dropout_words, word " << w;
+  }
+  for (const Kat& k : ten) {
+    const philox::Words got = philox::philox4x32<10>(k.counter, k.k0, k.k1);
+    for (int w = 0; w < 4; ++w) EXPECT_EQ(got.w[w], k.expected.w[w]) << "10 rounds, word " << w;
   }
 }
 
@@ -80,6 +95,39 @@ TEST(Dropout, MasksDifferAcrossSeedOffsetSequenceAndHeads) {
   int64_t same_heads = 0;
   for (int64_t x = 0; x < 64 * 64; ++x) same_heads += base[x] == base[64 * 64 + x];
   EXPECT_LT(same_heads, 64 * 64 * 6 / 10);
+}
+
+TEST(Dropout, NeighbouringElementsAreIndependent) {
+  // Seven rounds leave no visible link between the bytes of one draw, between draws of neighbouring groups of
+  // 16 keys, or between neighbouring queries: each pair of elements at these distances is kept together with
+  // probability q^2, and each byte position of a draw keeps q, within 4 sigma over 2 heads x 1000 x 1024.
+  const float p = 0.5f;
+  const int64_t heads = 2, sq = 1000, sk = 1024;
+  const std::vector<uint8_t> m = mask_of(p, 0x0123456789abcdefull, 0xfedcba9876543210ull, 5, heads, sq, sk);
+  const double q = 1.0 - std::round(256.0 * p) / 256.0;
+  const auto at = [&](int64_t h, int64_t i, int64_t j) { return m[(h * sq + i) * sk + j]; };
+  // (key step, query step): within a byte's word, across words, across draws (15 -> 16), and down a column.
+  const std::pair<int64_t, int64_t> steps[] = {{1, 0}, {4, 0}, {8, 0}, {16, 0}, {0, 1}, {1, 1}};
+  for (auto [dj, di] : steps) {
+    double both = 0, n = 0;
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i + di < sq; ++i)
+        for (int64_t j = 0; j + dj < sk; ++j) {
+          both += at(h, i, j) & at(h, i + di, j + dj);
+          n += 1;
+        }
+    const double q2 = q * q;
+    EXPECT_NEAR(both / n, q2, 4.0 * std::sqrt(q2 * (1 - q2) / n)) << "key step " << dj << ", query step " << di;
+  }
+  for (int64_t x = 0; x < 16; ++x) {
+    double kept = 0, n = 0;
+    for (int64_t r = 0; r < heads * sq; ++r)
+      for (int64_t j = x; j < sk; j += 16) {
+        kept += m[r * sk + j];
+        n += 1;
+      }
+    EXPECT_NEAR(kept / n, q, 4.0 * std::sqrt(q * (1 - q) / n)) << "byte " << x;
+  }
 }
 
 TEST(Dropout, ForwardAppliesExactlyTheMaskOfFlareDropoutMask) {

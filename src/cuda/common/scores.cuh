@@ -42,8 +42,8 @@ struct DropoutStream {
 
 // Dropout's keep bits of the scores a thread holds: bit c of bits[r] for element (r, c) of a (row, col) view
 // whose tile-local coordinates coord_rc gives, at (row0, col0) in the sequence (col0 a multiple of 16). A
-// draw covers 16 keys of a row (a Philox draw is ten rounds of two wide multiplies: drawn per element it cost
-// the sm80 forward 7-10x its time without dropout). The thread's columns kPerDraw * g .. kPerDraw * (g + 1)
+// draw covers 16 keys of a row (a Philox draw is rounds of two wide multiplies: drawn per element, at ten rounds,
+// it cost the sm80 forward 7-10x its time without dropout). The thread's columns kPerDraw * g .. kPerDraw * (g + 1)
 // - 1 of a row lie in one group of 16 keys, so it draws once per such group: kPerDraw is a property of the
 // MMA layout (4 in the forward, whose warps split the rows only; 2 in the backward, whose warps split the
 // keys too), which tests/cuda/test_sm80_dropout_groups.cu checks for every configuration on the CPU.
