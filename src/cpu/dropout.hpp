@@ -428,10 +428,79 @@ inline void dropout_row(const DropoutDraw& d, uint32_t stream, int64_t i, int64_
   }
 }
 
+#if FLARE_VEC_BYTES == 64 && defined(__AVX512F__)
+// dropout_keys_major on AVX-512: per key group (16 key rows), 16 queries a batch as two sets of eight 64-bit lanes
+// (philox_wide). A batch's counters (G, i, stream, offset) differ only in the query i, so round 0 is the same for
+// every lane but for w0 = i ^ A, and the rounds' uniform halves are taken once per group in scalar arithmetic.
+// Round r maps (w0, w1, w2, w3) to (hi(w2 M1) ^ w1 ^ k0[r], lo(w2 M1), hi(w0 M0) ^ w3 ^ k1[r], lo(w0 M0)):
+//   round 0: (i ^ A, B, C, D)          A = hi(stream M1) ^ k0[0], B = lo(stream M1), C = hi(G M0) ^ offset ^ k1[0],
+//                                      D = lo(G M0)
+//   round 1: (U0, U1, hi(p) ^ D ^ k1[1], lo(p))      p = (i ^ A) M0; U0 = hi(C M1) ^ B ^ k0[1], U1 = lo(C M1)
+//   round 2: (hi(p2) ^ U1 ^ k0[2], lo(p2), hi(U0 M0) ^ lo(p) ^ k1[2], lo(U0 M0))   p2 = (round 1's w2) M1
+// so a set takes two multiplies to reach round 3, where philox_wide goes on. The words then come out in query
+// order (the two sets' low words merged), their bytes regrouped so that byte b of query l is byte 16 b + l: one
+// compare gives four key rows' keep bits, 16 queries each.
+inline void dropout_keys_major_wide(const DropoutDraw& d, uint32_t stream, int64_t i0, int64_t queries, int64_t j0,
+                                    int64_t keys, float* zt, int64_t ld) {
+  using philox::kMul0, philox::kMul1, philox::kWeyl0, philox::kWeyl1;
+  const PhiloxRoundKeys round_keys = philox_round_keys(d.key);
+  const uint32_t k0_0 = d.key.k0, k0_1 = k0_0 + kWeyl0, k0_2 = k0_1 + kWeyl0;
+  const uint32_t k1_0 = d.key.k1, k1_1 = k1_0 + kWeyl1, k1_2 = k1_1 + kWeyl1;
+  const auto hi = [](uint64_t x) { return static_cast<uint32_t>(x >> 32); };
+  const auto lo = [](uint64_t x) { return static_cast<uint32_t>(x); };
+  const auto wide = [](uint32_t x) { return _mm512_set1_epi64(static_cast<int64_t>(x)); };
+  const uint64_t sm = uint64_t{kMul1} * stream;
+  const __m512i a = wide(hi(sm) ^ k0_0);
+  const __m512i m0 = _mm512_set1_epi64(kMul0), m1 = _mm512_set1_epi64(kMul1);
+  const __m512i lane = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+  // The low words of set 0's lanes, then set 1's; bytes regrouped within each 128-bit lane (byte b of its four
+  // queries together: bytes 0, 4, 8, 12, then 1, 5, 9, 13, ...), then those dwords transposed across the
+  // 128-bit lanes. (The maskz forms with every lane set, as in mulhilo.)
+  const __m512i merge = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i by_byte = _mm512_setr_epi32(0x0c080400, 0x0d090501, 0x0e0a0602, 0x0f0b0703, 0x0c080400, 0x0d090501,
+                                            0x0e0a0602, 0x0f0b0703, 0x0c080400, 0x0d090501, 0x0e0a0602, 0x0f0b0703,
+                                            0x0c080400, 0x0d090501, 0x0e0a0602, 0x0f0b0703);
+  const __m512i transpose = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512i thr = _mm512_set1_epi8(static_cast<char>(d.threshold));
+  const __m512 kept = _mm512_set1_ps(static_cast<float>(d.scale));
+  for (int64_t r = 0; r < keys; r += 16) {
+    const uint32_t group = static_cast<uint32_t>((j0 + r) / 16);
+    const uint64_t gm = uint64_t{kMul0} * group;
+    const uint64_t cm = uint64_t{kMul1} * (hi(gm) ^ d.key.offset ^ k1_0);
+    const uint32_t u0 = hi(cm) ^ lo(sm) ^ k0_1;
+    const uint64_t um = uint64_t{kMul0} * u0;
+    const __m512i d_k = wide(lo(gm) ^ k1_1), u1_k = wide(lo(cm) ^ k0_2);
+    const __m512i um_k = wide(hi(um) ^ k1_2), um_lo = wide(lo(um));
+    for (int64_t c = 0; c < queries; c += 16) {
+      PhiloxWide w[2];  // queries c .. c + 7, c + 8 .. c + 15
+      for (int s = 0; s < 2; ++s) {
+        const __m512i q = _mm512_add_epi64(wide(static_cast<uint32_t>(i0 + c + 8 * s)), lane);
+        const __m512i p = mul_low_words(_mm512_xor_si512(q, a), m0);
+        const __m512i p2 = mul_low_words(_mm512_xor_si512(high_halves_down(p), d_k), m1);
+        const PhiloxWide round3{{_mm512_xor_si512(high_halves_down(p2), u1_k), p2, _mm512_xor_si512(p, um_k), um_lo}};
+        w[s] = philox_wide(round3, round_keys, 3);
+      }
+      for (int x = 0; x < 4; ++x) {  // word x: key rows r + 4 x .. r + 4 x + 3
+        const __m512i words = _mm512_permutex2var_epi32(w[0].w[x], merge, w[1].w[x]);
+        const __m512i bytes = _mm512_maskz_permutexvar_epi32(0xFFFF, transpose, _mm512_shuffle_epi8(words, by_byte));
+        const __mmask64 keep = _mm512_cmpge_epu8_mask(bytes, thr);  // bit 16 b + l: byte b of query c + l
+        for (int b = 0; b < 4; ++b) {
+          _mm512_storeu_ps(zt + (r + 4 * x + b) * ld + c,
+                           _mm512_maskz_mov_ps(static_cast<__mmask16>(keep >> (16 * b)), kept));
+        }
+      }
+    }
+  }
+}
+#endif
+
 // zt[r * ld + c] = the factor of (query i0 + c, key j0 + r) for r < keys, c < queries: keys as rows. j0 % 16 == 0
 // and keys % 16 == 0, queries a multiple of kPhiloxLanes.
 inline void dropout_keys_major(const DropoutDraw& d, uint32_t stream, int64_t i0, int64_t queries, int64_t j0,
                                int64_t keys, float* zt, int64_t ld) {
+#if FLARE_VEC_BYTES == 64 && defined(__AVX512F__)
+  return dropout_keys_major_wide(d, stream, i0, queries, j0, keys, zt, ld);
+#else
   typedef float FloatLanes __attribute__((vector_size(FLARE_VEC_BYTES)));
   typedef int32_t IntLanes __attribute__((vector_size(FLARE_VEC_BYTES)));
   const IntLanes kept = reinterpret_cast<IntLanes>(FloatLanes{} + static_cast<float>(d.scale));
@@ -451,6 +520,7 @@ inline void dropout_keys_major(const DropoutDraw& d, uint32_t stream, int64_t i0
       }
     }
   }
+#endif
 }
 
 }  // namespace flare::cpu::FLARE_ISA
