@@ -11,8 +11,9 @@
 //     together, each vector of a K or V row loaded once and used for four rows (decode_tiles.hpp);
 //   - bf16 rows read in place: on vdpbf16ps where the processor has AVX512_BF16 but no AMX (Zen 4/5) and
 //     the head dims are multiples of 32 (P rounded to bf16, as the bf16 forward rounds it), else widened to
-//     fp32 as they are loaded; fp32 rows read in place; fp16 rows, and head dims that are not a whole number
-//     of vectors, go through an fp32 stage of kDecodeChunk rows;
+//     fp32 as they are loaded; fp32 rows read in place; fp16 rows widened as they are loaded where the unit
+//     converts in hardware (F16C, AVX-512); head dims that are not a whole number of vectors, and fp16 at the
+//     generic level, go through an fp32 stage of kDecodeChunk rows;
 //   - split-KV: with fewer (sequence, head block) items than about two per thread, each sequence's keys are
 //     cut into splits that run on different cores; each split keeps its own output and lse, merged at the end
 //     through the same LSE merge as flare_merge_states (merge_rows.hpp).
@@ -169,24 +170,26 @@ class ChunkPrefetch {
   int64_t per_call_ = 0, calls_ = 8;  // calls_: the previous step's count (a first guess before any)
 };
 
-// Whether K and V rows are read where they lie (fp32, or bf16 widened on load: head dims a whole number of
-// vectors) rather than staged to fp32.
+// Whether K and V rows are read where they lie (fp32, or bf16 and fp16 widened on load: head dims a whole
+// number of vectors) rather than staged to fp32 (a write and a read of every row more: docs/tuning-cpu.md).
 inline bool decode_reads_in_place(const Problem& p) {
   constexpr int W = Simd<float>::W;
-  return (p.dtype == FLARE_DTYPE_F32 || p.dtype == FLARE_DTYPE_BF16) && p.headdim % W == 0 &&
-         p.headdim_v % W == 0;
+  const bool widened = p.dtype == FLARE_DTYPE_F32 || p.dtype == FLARE_DTYPE_BF16 ||
+                       (kDecodeF16InPlace && p.dtype == FLARE_DTYPE_F16);
+  return widened && p.headdim % W == 0 && p.headdim_v % W == 0;
 }
 
 // ptrs[jj] = key row j0 + jj of rows, jj < n, as the tiles read it: where it lies (RT = float: fp32 rows,
-// RT = uint16_t: bf16 rows), or converted into `stage` (fp32 rows of ld floats, zero-padded past d). The
+// RT = uint16_t: bf16 rows, RT = Half: fp16 rows), or converted into `stage` (fp32 rows of ld floats,
+// zero-padded past d). The
 // list is padded to a multiple of W with its last row, so that tiles need no tail (their extra scores land
 // past n and are never used).
 template <class RT>
 inline void chunk_rows(const Problem& p, const RowPtr& rows, int64_t j0, int64_t n, int64_t d, int64_t ld,
                        float* stage, const RT** ptrs) {
   constexpr int W = Simd<float>::W;
-  if constexpr (std::is_same_v<RT, uint16_t>) {
-    for (int64_t jj = 0; jj < n; ++jj) ptrs[jj] = reinterpret_cast<const uint16_t*>(rows.row(j0 + jj));
+  if constexpr (std::is_same_v<RT, uint16_t> || std::is_same_v<RT, Half>) {
+    for (int64_t jj = 0; jj < n; ++jj) ptrs[jj] = reinterpret_cast<const RT*>(rows.row(j0 + jj));
   } else if (p.dtype == FLARE_DTYPE_F32 && d == ld) {
     for (int64_t jj = 0; jj < n; ++jj) ptrs[jj] = reinterpret_cast<const float*>(rows.row(j0 + jj));
   } else {
@@ -407,6 +410,8 @@ inline void run_decode(const Problem& p, void* scratch, int nt) {
         decode_item<uint16_t, DecodeTiles::kSplit>(p, ws, t, seq, hk0, nh, j0, j1);
       } else if (in_place && p.dtype == FLARE_DTYPE_BF16) {
         decode_item<uint16_t>(p, ws, t, seq, hk0, nh, j0, j1);
+      } else if (in_place && p.dtype == FLARE_DTYPE_F16) {
+        if constexpr (kDecodeF16InPlace) decode_item<Half>(p, ws, t, seq, hk0, nh, j0, j1);
       } else {
         decode_item<float>(p, ws, t, seq, hk0, nh, j0, j1);
       }

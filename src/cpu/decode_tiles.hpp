@@ -1,6 +1,6 @@
 // decode_tiles.hpp — the decode path's arithmetic on one block of keys of one kv head (decode.hpp):
 // scores of the head's query rows against the block's key rows, and O += P V. Key and value rows are read
-// where they lie in the cache (fp32 rows as they are, bf16 rows widened on load) or from an fp32 stage, and
+// where they lie in the cache (fp32 rows as they are, bf16 and fp16 rows widened on load) or from an fp32 stage, and
 // every vector of a key or value row loaded is used by four query rows.
 // Per-ISA like the kernels (see simd.hpp for why).
 #pragma once
@@ -44,6 +44,27 @@ inline vec_t<float> load_lanes(const uint16_t* p) {
   return f;
 #endif
 }
+
+// An fp16 element of a key or value row read in place (the tiles' KT / VT = Half): widened on load where the
+// unit converts in hardware (F16C, or AVX-512's vcvtph2ps on 16 lanes); without it (the generic level) fp16 rows
+// are staged to fp32 instead (decode.hpp, kDecodeF16InPlace).
+struct Half {
+  uint16_t bits;
+};
+#if defined(__AVX512F__) && FLARE_VEC_BYTES == 64
+inline constexpr bool kDecodeF16InPlace = true;
+inline vec_t<float> load_lanes(const Half* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return static_cast<vec_t<float>>(_mm512_maskz_cvtph_ps(0xffff, h));
+}
+#elif defined(__F16C__) && FLARE_VEC_BYTES == 32
+inline constexpr bool kDecodeF16InPlace = true;
+inline vec_t<float> load_lanes(const Half* p) {
+  return static_cast<vec_t<float>>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#else
+inline constexpr bool kDecodeF16InPlace = false;
+#endif
 
 // ---- W dot products at once: W accumulators folded into one vector of their W sums -----------------------
 //
