@@ -34,16 +34,17 @@ template <class T, HeadWidth Width = HeadWidth::kNarrow>
 struct BackwardTiles {
   static constexpr bool kNarrow = Width == HeadWidth::kNarrow;
   static constexpr int64_t kBq = 64;
-  // Narrow heads, 128 keys: dQ += dS K runs a k loop of 128 and each K^T / V^T panel serves twice the rows;
-  // measured ~5% ahead of 64 at head dim 128 from seqlen 1024 on (and ~2% behind at 512). Wide heads, 64:
-  // a block of 128 keys at head dim 512 is K rows, K^T, V^T, dK and dV of 256 KB each, 1.3 MB before the
-  // query tile's Q, dO and dQ (400 KB) join it.
-  static constexpr int64_t kBk = kNarrow ? 128 : 64;
+  // 128 keys: dQ += dS K runs a k loop of 128, each K^T / V^T panel serves twice the rows, and each query
+  // tile's Q, dO and dQ rows are read once per 128 keys. Narrow heads: ~5% ahead of 64 at head dim 128 from
+  // seqlen 1024 on (~2% behind at 512). Wide heads: ~7% ahead of 64 at head dim 512 (Zen 4, 2 threads),
+  // although the block's K rows, K^T, V^T, dK and dV (1.3 MB) then outgrow its 1 MB L2: the query tiles'
+  // rows, 400 KB a tile at head dim 512, cost more streamed twice as often (docs/tuning-cpu.md).
+  static constexpr int64_t kBk = 128;
   // Key blocks per visit of a query tile: its Q, dO and dQ rows, which stream from L3 at long sequences,
   // are read once for all of them. Narrow heads, four: measured on Zen 4, head dim 128, +5-8% at seqlen 8192
-  // against one block per visit, within 2% at 512-1024. Wide heads, one: the block's 650 KB then stay in L2
-  // while the query tiles pass; at head dim 512 a tile's rows are wide enough to be worth their stream
-  // (Sapphire Rapids, fp32, one thread: +19% at seqlen 1024, level at 2048; docs/tuning-cpu.md).
+  // against one block per visit, within 2% at 512-1024. Wide heads, one: a block is 1.3 MB at head dim 512,
+  // and a tile's rows are wide enough to be worth their stream (with 64-key blocks on Sapphire Rapids, fp32,
+  // one thread: +19% at seqlen 1024, level at 2048; docs/tuning-cpu.md).
   static constexpr int64_t kKeyBlocksPerStep = kNarrow ? 4 : 1;
 };
 
