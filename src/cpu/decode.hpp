@@ -181,9 +181,8 @@ inline bool decode_reads_in_place(const Problem& p) {
 
 // ptrs[jj] = key row j0 + jj of rows, jj < n, as the tiles read it: where it lies (RT = float: fp32 rows,
 // RT = uint16_t: bf16 rows, RT = Half: fp16 rows), or converted into `stage` (fp32 rows of ld floats,
-// zero-padded past d). The
-// list is padded to a multiple of W with its last row, so that tiles need no tail (their extra scores land
-// past n and are never used).
+// zero-padded past d). The list is padded to a multiple of W with its last row, so that tiles need no tail
+// (their extra scores land past n and are never used).
 template <class RT>
 inline void chunk_rows(const Problem& p, const RowPtr& rows, int64_t j0, int64_t n, int64_t d, int64_t ld,
                        float* stage, const RT** ptrs) {

@@ -293,6 +293,41 @@ inline PhiloxWide philox_wide(PhiloxWide c, const PhiloxRoundKeys& k, int first 
   return c;
 }
 
+// Counters (G, x, stream, offset) whose group word G stays while x moves on (the rows of a lane's key group, or
+// the queries of a keys-major group): through the first three rounds every multiply's operand depends on x
+// alone or on G alone, so G's part is taken once (philox_group_rounds) and each counter reaches round 3 after
+// two multiplies on x (philox_of_x: 8 operations a set for rounds 0-2 where philox_wide takes 18). Round r maps
+// (w0, w1, w2, w3) to (hi(w2 M1) ^ w1 ^ k0[r], lo(w2 M1), hi(w0 M0) ^ w3 ^ k1[r], lo(w0 M0)):
+//   round 0: (hi(stream M1) ^ x ^ k0[0], lo(stream M1), hi(G M0) ^ offset ^ k1[0], lo(G M0))
+//   round 1: w0 M0 depends on x (p), w2 M1 on G (c): (hi(c) ^ lo(stream M1) ^ k0[1], lo(c), hi(p) ^ lo(G M0) ^
+//            k1[1], lo(p))
+//   round 2: w0 M0 = P depends on G, w2 M1 = p2 on both: (hi(p2) ^ lo(c) ^ k0[2], lo(p2), hi(P) ^ lo(p) ^ k1[2],
+//            lo(P)).
+struct PhiloxGroupRounds {
+  __m512i x_key;           // round 0's w0 = x ^ x_key
+  __m512i d2, e0, e2, f3;  // G's terms of rounds 1 and 2
+};
+
+inline PhiloxGroupRounds philox_group_rounds(__m512i group, uint32_t stream, uint32_t offset,
+                                             const PhiloxRoundKeys& k) {
+  const __m512i m0 = _mm512_set1_epi64(philox::kMul0), m1 = _mm512_set1_epi64(philox::kMul1);
+  const __m512i sm = mul_low_words(_mm512_set1_epi64(stream), m1);
+  const __m512i gm = mul_low_words(group, m0);
+  const __m512i c = mul_low_words(xor3(high_halves_down(gm), _mm512_set1_epi64(offset), k.k1[0]), m1);
+  const __m512i big_p = mul_low_words(xor3(high_halves_down(c), sm, k.k0[1]), m0);
+  return {_mm512_xor_si512(high_halves_down(sm), k.k0[0]), _mm512_xor_si512(gm, k.k1[1]),
+          _mm512_xor_si512(c, k.k0[2]), _mm512_xor_si512(high_halves_down(big_p), k.k1[2]), big_p};
+}
+
+// The draws of counters (G, x, stream, offset), x in the low word of each 64-bit lane, G's part in g.
+inline PhiloxWide philox_of_x(__m512i x, const PhiloxGroupRounds& g, const PhiloxRoundKeys& k) {
+  const __m512i m0 = _mm512_set1_epi64(philox::kMul0), m1 = _mm512_set1_epi64(philox::kMul1);
+  const __m512i p = mul_low_words(_mm512_xor_si512(x, g.x_key), m0);
+  const __m512i p2 = mul_low_words(_mm512_xor_si512(high_halves_down(p), g.d2), m1);
+  return philox_wide(PhiloxWide{{_mm512_xor_si512(high_halves_down(p2), g.e0), p2, _mm512_xor_si512(p, g.e2), g.f3}},
+                     k, 3);
+}
+
 // The draws of a tile whose pieces (row, 16 keys) lie row after row: piece q = r * groups + g is (query i0 + r,
 // keys j0 + 16 g ..), j0 % 16 == 0. 16 pieces per batch, in piece order: their counters step from batch to
 // batch by vector adds (16 pieces further on: 16 / groups rows and 16 % groups groups, carrying past the row's
@@ -328,40 +363,14 @@ inline void dropout_rows_wide(const DropoutDraw& d, uint32_t stream, int64_t i0,
     masks[1] = _mm512_cmpge_epu8_mask(_mm512_maskz_unpackhi_epi64(kAll64, lo, hi), thr);
   };
   if (16 % groups == 0) {
-    // A batch is whole rows, so each lane keeps its key group from batch to batch, and through the first three
-    // rounds every multiply's operand depends on the row alone or on the group alone: the group's products
-    // are taken once per tile (below), and a batch starts from round 3 after two multiplies on its rows (8
-    // operations a set for rounds 0-2 where the loop below takes 18). Round r maps (w0, w1, w2, w3) to
-    // (hi(w2 M1) ^ w1 ^ k0[r], lo(w2 M1), hi(w0 M0) ^ w3 ^ k1[r], lo(w0 M0)); counter = (group, row,
-    // stream, offset), G = the lane's group:
-    //   round 0: (hi(stream M1) ^ row ^ k0[0], lo(stream M1), hi(G M0) ^ offset ^ k1[0], lo(G M0))
-    //   round 1: w0 M0 depends on the row (p), w2 M1 on the group (c): (hi(c) ^ lo(stream M1) ^ k0[1], lo(c),
-    //            hi(p) ^ lo(G M0) ^ k1[1], lo(p))
-    //   round 2: w0 M0 = P depends on the group, w2 M1 = p2 on both: (hi(p2) ^ lo(c) ^ k0[2], lo(p2),
-    //            hi(P) ^ lo(p) ^ k1[2], lo(P)).
-    const __m512i m0 = _mm512_set1_epi64(philox::kMul0), m1 = _mm512_set1_epi64(philox::kMul1);
-    const __m512i sm = mul_low_words(stream_w, m1);
-    const __m512i row_key = _mm512_xor_si512(high_halves_down(sm), keys.k0[0]);  // round 0's w0 = row ^ row_key
-    struct GroupTerms {
-      __m512i d2, e0, e2, f3;
-    } terms[2];
-    for (int s = 0; s < 2; ++s) {
-      const __m512i gm = mul_low_words(group[s], m0);
-      const __m512i w2_1 = xor3(high_halves_down(gm), offset_w, keys.k1[0]);
-      const __m512i c = mul_low_words(w2_1, m1);
-      const __m512i w0_2 = xor3(high_halves_down(c), sm, keys.k0[1]);
-      const __m512i big_p = mul_low_words(w0_2, m0);
-      terms[s] = {_mm512_xor_si512(gm, keys.k1[1]), _mm512_xor_si512(c, keys.k0[2]),
-                  _mm512_xor_si512(high_halves_down(big_p), keys.k1[2]), big_p};
-    }
+    // A batch is whole rows, so each lane keeps its key group from batch to batch: the groups' part of rounds
+    // 0-2 is taken once per tile, and a batch starts from round 3 after two multiplies on its rows.
+    const PhiloxGroupRounds terms[2] = {philox_group_rounds(group[0], stream, d.key.offset, keys),
+                                        philox_group_rounds(group[1], stream, d.key.offset, keys)};
     for (int64_t q0 = 0; q0 < pieces; q0 += 16) {
       uint64_t masks[4];
       for (int s = 0; s < 2; ++s) {
-        const __m512i p = mul_low_words(_mm512_xor_si512(row[s], row_key), m0);
-        const __m512i p2 = mul_low_words(_mm512_xor_si512(high_halves_down(p), terms[s].d2), m1);
-        const PhiloxWide w3{{_mm512_xor_si512(high_halves_down(p2), terms[s].e0), p2,
-                             _mm512_xor_si512(p, terms[s].e2), terms[s].f3}};
-        keep_bits(philox_wide(w3, keys, 3), masks + 2 * s);
+        keep_bits(philox_of_x(row[s], terms[s], keys), masks + 2 * s);
         row[s] = _mm512_add_epi64(row[s], row_step);
       }
       sink(q0, masks, smin<int64_t>(16, pieces - q0));
@@ -429,29 +438,14 @@ inline void dropout_row(const DropoutDraw& d, uint32_t stream, int64_t i, int64_
 }
 
 #if FLARE_VEC_BYTES == 64 && defined(__AVX512F__)
-// dropout_keys_major on AVX-512: per key group (16 key rows), 16 queries a batch as two sets of eight 64-bit lanes
-// (philox_wide). A batch's counters (G, i, stream, offset) differ only in the query i, so round 0 is the same for
-// every lane but for w0 = i ^ A, and the rounds' uniform halves are taken once per group in scalar arithmetic.
-// Round r maps (w0, w1, w2, w3) to (hi(w2 M1) ^ w1 ^ k0[r], lo(w2 M1), hi(w0 M0) ^ w3 ^ k1[r], lo(w0 M0)):
-//   round 0: (i ^ A, B, C, D)          A = hi(stream M1) ^ k0[0], B = lo(stream M1), C = hi(G M0) ^ offset ^ k1[0],
-//                                      D = lo(G M0)
-//   round 1: (U0, U1, hi(p) ^ D ^ k1[1], lo(p))      p = (i ^ A) M0; U0 = hi(C M1) ^ B ^ k0[1], U1 = lo(C M1)
-//   round 2: (hi(p2) ^ U1 ^ k0[2], lo(p2), hi(U0 M0) ^ lo(p) ^ k1[2], lo(U0 M0))   p2 = (round 1's w2) M1
-// so a set takes two multiplies to reach round 3, where philox_wide goes on. The words then come out in query
-// order (the two sets' low words merged), their bytes regrouped so that byte b of query l is byte 16 b + l: one
-// compare gives four key rows' keep bits, 16 queries each.
+// dropout_keys_major on AVX-512: per key group (16 key rows), 16 queries a batch as two sets of eight 64-bit lanes.
+// A batch's counters (G, i, stream, offset) differ only in the query i, so G's part of rounds 0-2 is taken once
+// per key group (philox_group_rounds) and each set reaches round 3 after two multiplies (philox_of_x). The words
+// then come out in query order (the two sets' low words merged), their bytes regrouped so that byte b of query l
+// is byte 16 b + l: one compare gives four key rows' keep bits, 16 queries each.
 inline void dropout_keys_major_wide(const DropoutDraw& d, uint32_t stream, int64_t i0, int64_t queries, int64_t j0,
                                     int64_t keys, float* zt, int64_t ld) {
-  using philox::kMul0, philox::kMul1, philox::kWeyl0, philox::kWeyl1;
   const PhiloxRoundKeys round_keys = philox_round_keys(d.key);
-  const uint32_t k0_0 = d.key.k0, k0_1 = k0_0 + kWeyl0, k0_2 = k0_1 + kWeyl0;
-  const uint32_t k1_0 = d.key.k1, k1_1 = k1_0 + kWeyl1, k1_2 = k1_1 + kWeyl1;
-  const auto hi = [](uint64_t x) { return static_cast<uint32_t>(x >> 32); };
-  const auto lo = [](uint64_t x) { return static_cast<uint32_t>(x); };
-  const auto wide = [](uint32_t x) { return _mm512_set1_epi64(static_cast<int64_t>(x)); };
-  const uint64_t sm = uint64_t{kMul1} * stream;
-  const __m512i a = wide(hi(sm) ^ k0_0);
-  const __m512i m0 = _mm512_set1_epi64(kMul0), m1 = _mm512_set1_epi64(kMul1);
   const __m512i lane = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
   // The low words of set 0's lanes, then set 1's; bytes regrouped within each 128-bit lane (byte b of its four
   // queries together: bytes 0, 4, 8, 12, then 1, 5, 9, 13, ...), then those dwords transposed across the
@@ -464,22 +458,12 @@ inline void dropout_keys_major_wide(const DropoutDraw& d, uint32_t stream, int64
   const __m512i thr = _mm512_set1_epi8(static_cast<char>(d.threshold));
   const __m512 kept = _mm512_set1_ps(static_cast<float>(d.scale));
   for (int64_t r = 0; r < keys; r += 16) {
-    const uint32_t group = static_cast<uint32_t>((j0 + r) / 16);
-    const uint64_t gm = uint64_t{kMul0} * group;
-    const uint64_t cm = uint64_t{kMul1} * (hi(gm) ^ d.key.offset ^ k1_0);
-    const uint32_t u0 = hi(cm) ^ lo(sm) ^ k0_1;
-    const uint64_t um = uint64_t{kMul0} * u0;
-    const __m512i d_k = wide(lo(gm) ^ k1_1), u1_k = wide(lo(cm) ^ k0_2);
-    const __m512i um_k = wide(hi(um) ^ k1_2), um_lo = wide(lo(um));
+    const __m512i group = _mm512_set1_epi64((j0 + r) / 16);
+    const PhiloxGroupRounds g = philox_group_rounds(group, stream, d.key.offset, round_keys);
     for (int64_t c = 0; c < queries; c += 16) {
       PhiloxWide w[2];  // queries c .. c + 7, c + 8 .. c + 15
-      for (int s = 0; s < 2; ++s) {
-        const __m512i q = _mm512_add_epi64(wide(static_cast<uint32_t>(i0 + c + 8 * s)), lane);
-        const __m512i p = mul_low_words(_mm512_xor_si512(q, a), m0);
-        const __m512i p2 = mul_low_words(_mm512_xor_si512(high_halves_down(p), d_k), m1);
-        const PhiloxWide round3{{_mm512_xor_si512(high_halves_down(p2), u1_k), p2, _mm512_xor_si512(p, um_k), um_lo}};
-        w[s] = philox_wide(round3, round_keys, 3);
-      }
+      for (int s = 0; s < 2; ++s)
+        w[s] = philox_of_x(_mm512_add_epi64(_mm512_set1_epi64(i0 + c + 8 * s), lane), g, round_keys);
       for (int x = 0; x < 4; ++x) {  // word x: key rows r + 4 x .. r + 4 x + 3
         const __m512i words = _mm512_permutex2var_epi32(w[0].w[x], merge, w[1].w[x]);
         const __m512i bytes = _mm512_maskz_permutexvar_epi32(0xFFFF, transpose, _mm512_shuffle_epi8(words, by_byte));
