@@ -22,6 +22,15 @@ namespace flare::cpu::FLARE_ISA {
 // template arguments (GCC's _tile_* macros would paste the enum's name, not its value, into the assembly).
 enum AmxTile : int { kC00 = 0, kC01 = 1, kC10 = 2, kC11 = 3, kA0 = 4, kA1 = 5, kB0 = 6, kB1 = 7 };
 
+struct alignas(64) AmxTileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+#if !defined(FLARE_AMX_EMULATE)
 template <int T>
 inline void tile_zero() {
   asm volatile("tilezero %%tmm%c0" ::"i"(T));
@@ -39,14 +48,60 @@ template <int C, int A, int B>
 inline void tile_dot_bf16() {
   asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
 }
-
-struct alignas(64) AmxTileConfig {
-  uint8_t palette;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
+inline void tile_configure(const AmxTileConfig& cfg) { _tile_loadconfig(&cfg); }
+inline void tile_release() { _tile_release(); }
+#else
+// FLARE_AMX_EMULATE (a test build, CMake option FLARE_AMX_EMULATE): the tile instructions in software, so that
+// the AMX level's code runs and is tested on processors without tiles. Eight 16 x 64-byte tiles per thread,
+// shaped by the last configuration; loads zero what lies outside a tile's shape, as the hardware does.
+struct EmulatedTiles {
+  AmxTileConfig cfg{};
+  alignas(64) uint8_t t[8][16][64];
 };
+inline thread_local EmulatedTiles emulated_tiles;
+
+template <int T>
+inline void tile_zero() {
+  std::memset(emulated_tiles.t[T], 0, sizeof(emulated_tiles.t[T]));
+}
+template <int T>
+inline void tile_load(const void* base, int64_t stride_bytes) {
+  EmulatedTiles& e = emulated_tiles;
+  tile_zero<T>();
+  for (int r = 0; r < e.cfg.rows[T]; ++r)
+    std::memcpy(e.t[T][r], static_cast<const char*>(base) + r * stride_bytes, e.cfg.colsb[T]);
+}
+template <int T>
+inline void tile_store(void* base, int64_t stride_bytes) {
+  EmulatedTiles& e = emulated_tiles;
+  for (int r = 0; r < e.cfg.rows[T]; ++r)
+    std::memcpy(static_cast<char*>(base) + r * stride_bytes, e.t[T][r], e.cfg.colsb[T]);
+}
+template <int C, int A, int B>
+inline void tile_dot_bf16() {
+  EmulatedTiles& e = emulated_tiles;
+  const auto bf16 = [](const uint8_t* at) {
+    uint16_t h;
+    std::memcpy(&h, at, 2);
+    const uint32_t w = uint32_t{h} << 16;
+    float f;
+    std::memcpy(&f, &w, 4);
+    return f;
+  };
+  const int m_rows = e.cfg.rows[C], n_cols = e.cfg.colsb[C] / 4, k_pairs = e.cfg.colsb[A] / 4;
+  for (int m = 0; m < m_rows; ++m)
+    for (int n = 0; n < n_cols; ++n) {
+      float acc;
+      std::memcpy(&acc, &e.t[C][m][4 * n], 4);
+      for (int k = 0; k < k_pairs; ++k)
+        acc += bf16(&e.t[A][m][4 * k]) * bf16(&e.t[B][k][4 * n]) +
+               bf16(&e.t[A][m][4 * k + 2]) * bf16(&e.t[B][k][4 * n + 2]);
+      std::memcpy(&e.t[C][m][4 * n], &acc, 4);
+    }
+}
+inline void tile_configure(const AmxTileConfig& cfg) { emulated_tiles.cfg = cfg; }
+inline void tile_release() {}
+#endif
 
 inline void amx_configure() {
   AmxTileConfig cfg{};
@@ -55,7 +110,7 @@ inline void amx_configure() {
     cfg.colsb[t] = 64;
     cfg.rows[t] = 16;
   }
-  _tile_loadconfig(&cfg);
+  tile_configure(cfg);
 }
 
 constexpr int64_t kTileElems = 16 * 32;  // bf16 elements in one 16 x 64-byte tile

@@ -29,12 +29,19 @@
 
 #include "cpu/arena.hpp"
 #include "cpu/decode_tiles.hpp"
+#if defined(FLARE_AMX_LEVEL)
+#include "cpu/decode_amx.hpp"
+#endif
 #include "cpu/merge_rows.hpp"
 #include "cpu/sequences.hpp"
 #include "cpu/simd.hpp"
 #include "cpu/team.hpp"
 
 namespace flare::cpu::FLARE_ISA {
+
+#if !defined(FLARE_AMX_LEVEL)
+inline constexpr bool kDecodeAmxTiles = false;
+#endif
 
 inline constexpr int64_t kDecodeChunk = 32;     // keys per step (a multiple of every vector width)
 inline constexpr int64_t kDecodeItemRows = 64;  // query rows of one item at most (its heads x R): its state
@@ -48,7 +55,11 @@ struct DecodeScratch {
     float* s;         // R x kDecodeChunk scores of one head
     RowPtr *krows, *vrows;  // per head of the item: where its K and V rows lie
     uint16_t* qb;     // DecodeTiles::kDot: per head of the item, R query rows in bf16 (dp)
-    uint16_t* pb;     // DecodeTiles::kDot: the R rows of s rounded to bf16, and 2 elements (0) past them
+    uint16_t* pb;     // kDot, kAmx: the R rows of s rounded to bf16, and 2 elements (0) past them
+    uint16_t* qt;     // kAmx: per head of the item, its query rows packed as a tile operand
+    uint16_t* vt;     // kAmx: a chunk's value rows interleaved in pairs
+    uint16_t* kstage; // kAmx: key rows of a chunk not evenly spaced in the cache
+    float* st;        // kAmx: the stored score tiles
   };
   PerThread* threads = nullptr;
   // splits > 1: per (b, hk, split) the split's normalised output (R x dvp) and lse (R).
@@ -69,7 +80,16 @@ struct DecodeScratch {
       PerThread pt{a.take<float>(C * dp), a.take<float>(C * dvp), a.take<float>(heads * rows * dp),
                    a.take<float>(heads * rows * dvp), a.take<float>(heads * rows), a.take<float>(heads * rows),
                    a.take<float>(rows * C), a.take<RowPtr>(heads), a.take<RowPtr>(heads),
-                   a.take<uint16_t>(heads * rows * dp), a.take<uint16_t>(rows * C + 2)};
+                   a.take<uint16_t>(heads * rows * dp), a.take<uint16_t>(rows * C + 2), nullptr, nullptr, nullptr,
+                   nullptr};
+#if defined(FLARE_AMX_LEVEL)
+      if (decode_amx_fits(rows)) {
+        pt.qt = a.take<uint16_t>(decode_amx_query_elems(heads, dp));
+        pt.vt = a.take<uint16_t>(decode_amx_value_elems(dvp));
+        pt.kstage = a.take<uint16_t>(decode_amx_stage_elems(dp));
+        pt.st = a.take<float>(kDecodeAmxScoreFloats);
+      }
+#endif
       if (threads) threads[t] = pt;
     }
     if (splits > 1) {
@@ -251,8 +271,10 @@ inline void softmax_chunk_row(const Problem& p, const Sequence& seq, const polic
 //   kSplit  bf16 rows read in place split into even and odd elements (AVX-512, head dims multiples of 32):
 //           q and o are held in that order, and o is joined again at the end;
 //   kDot    bf16 rows on vdpbf16ps (AVX512_BF16 without AMX, head dims multiples of 32): q held in bf16,
-//           P rounded to bf16, o held in dot order and joined at the end.
-enum class DecodeTiles { kWiden, kSplit, kDot };
+//           P rounded to bf16, o held in dot order and joined at the end;
+//   kAmx    bf16 rows on AMX tiles (the AMX level, head dims multiples of 32, at most 16 rows per kv head:
+//           decode_amx.hpp): q packed as a tile operand, P rounded to bf16, o held in dot order.
+enum class DecodeTiles { kWiden, kSplit, kDot, kAmx };
 
 // One item: keys [j0, j1) of one sequence for kv heads [hk0, hk0 + nh), against their R query rows each.
 // Leaves each row's unnormalised output in t.o and its running max and sum in t.m, t.l (head h's rows at
@@ -284,6 +306,11 @@ inline void decode_item(const Problem& p, const DecodeScratch& ws, const DecodeS
       for (int64_t c = 0; c < dvp; c += W) vstore(t.o + (h * R + r) * dvp + c, V{});
     }
   }
+#if defined(FLARE_AMX_LEVEL)
+  // (q is bf16 in the call, or rotated into bf16: packing it as bf16 is exact.)
+  if constexpr (kTiles == DecodeTiles::kAmx)
+    for (int64_t h = 0; h < nh; ++h) decode_amx_pack_queries(t.q + h * R * dp, dp, R, dp, t.qt + h * dp * 16);
+#endif
   RowPtr* krows = t.krows;
   RowPtr* vrows = t.vrows;
   for (int64_t h = 0; h < nh; ++h) {
@@ -321,14 +348,18 @@ inline void decode_item(const Problem& p, const DecodeScratch& ws, const DecodeS
 #if FLARE_DECODE_DOT_TILES
         score_block_dot(t.qb + h * R * dp, dp, R, kp, n, dp, scale, t.s, C, prefetch);
 #endif
+      } else if constexpr (kTiles == DecodeTiles::kAmx) {
+#if defined(FLARE_AMX_LEVEL)
+        decode_amx_scores(t.qt + h * dp * 16, R, dp, kp, n, scale, t.s, C, t.st, t.kstage, prefetch);
+#endif
       } else {
         score_block(q, dp, R, kp, n, dp, scale, t.s, C, prefetch);
       }
       for (int64_t r = 0; r < R; ++r)
         softmax_chunk_row(p, seq, mask, hk * group + r / seq.seqlen_q, r % seq.seqlen_q, jc, n, masked,
                           t.s + r * C, t.m[h * R + r], t.l[h * R + r], o + r * dvp, dvp);
-#if FLARE_DECODE_DOT_TILES
-      if constexpr (kTiles == DecodeTiles::kDot) {
+#if FLARE_DECODE_DOT_TILES || defined(FLARE_AMX_LEVEL)
+      if constexpr (kTiles == DecodeTiles::kDot || kTiles == DecodeTiles::kAmx) {
         round_to_bf16(t.s, t.pb, R * C);
         t.pb[R * C] = t.pb[R * C + 1] = 0;  // read beside an odd range's last key (accumulate_pv_dot)
       }
@@ -349,6 +380,25 @@ inline void decode_item(const Problem& p, const DecodeScratch& ws, const DecodeS
           accumulate_pv<kRows>(t.s + r * C, C, vp, a, b, o + r * dvp, dvp, dvp, prefetch);
         }
       };
+#if defined(FLARE_AMX_LEVEL)
+      if constexpr (kTiles == DecodeTiles::kAmx) {
+        if (!masked) {
+          decode_amx_values(t.pb, vp, n, dvp, o, dvp, t.vt, prefetch);
+          continue;
+        }
+        // Each row over its own keys, on the widening tiles in column order (chunks on a causal or window
+        // edge: few).
+        for (int64_t r = 0; r < R; ++r) {
+          const policy::KeyRange seen = mask.keys_of(r % seq.seqlen_q);
+          const int64_t a = smax(seen.first, jc) - jc, b = smin(seen.last + 1, jc + n) - jc;
+          if (a >= b) continue;
+          join_dot_row(o + r * dvp, dvp);
+          accumulate_pv<1>(t.s + r * C, C, vp, a, b, o + r * dvp, dvp, dvp, prefetch);
+          split_dot_row(o + r * dvp, dvp);
+        }
+        continue;
+      }
+#endif
       if (!masked) {
         int64_t r = 0;
         for (; r + 4 <= R; r += 4) add_values(std::integral_constant<int, 4>{}, r, 0, n);
@@ -366,8 +416,8 @@ inline void decode_item(const Problem& p, const DecodeScratch& ws, const DecodeS
   if constexpr (kTiles == DecodeTiles::kSplit)
     for (int64_t x = 0; x < nh * R; ++x) join_split_row(t.o + x * dvp, dvp);
 #endif
-#if FLARE_DECODE_DOT_TILES
-  if constexpr (kTiles == DecodeTiles::kDot)
+#if FLARE_DECODE_DOT_TILES || defined(FLARE_AMX_LEVEL)
+  if constexpr (kTiles == DecodeTiles::kDot || kTiles == DecodeTiles::kAmx)
     for (int64_t x = 0; x < nh * R; ++x) join_dot_row(t.o + x * dvp, dvp);
 #endif
 }
@@ -390,8 +440,12 @@ inline void run_decode(const Problem& p, void* scratch, int nt) {
   const bool bf16_in_32s =
       in_place && p.dtype == FLARE_DTYPE_BF16 && p.headdim % 32 == 0 && p.headdim_v % 32 == 0;
   constexpr float kInf = std::numeric_limits<float>::infinity();
+  const bool amx = kDecodeAmxTiles && bf16_in_32s && ws.threads[0].qt != nullptr;
   on_team(nt, [&]() {
     const DecodeScratch::PerThread& t = ws.threads[omp_get_thread_num()];
+#if defined(FLARE_AMX_LEVEL)
+    if (amx) decode_amx_configure(R);
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const int64_t b = item / (HB * S), hk0 = (item / S) % HB * ws.heads, split = item % S;
@@ -403,7 +457,9 @@ inline void run_decode(const Problem& p, void* scratch, int nt) {
       const int64_t first = smax<int64_t>(seen.first, 0), end = smin(seen.last + 1, seq.seqlen_k);
       const int64_t len = smax<int64_t>(end - first, 0), per = (len + S - 1) / S;
       const int64_t j0 = first + smin(split * per, len), j1 = first + smin((split + 1) * per, len);
-      if (kDecodeDotPairs && bf16_in_32s) {
+      if (amx) {
+        decode_item<uint16_t, DecodeTiles::kAmx>(p, ws, t, seq, hk0, nh, j0, j1);
+      } else if (kDecodeDotPairs && bf16_in_32s) {
         decode_item<uint16_t, DecodeTiles::kDot>(p, ws, t, seq, hk0, nh, j0, j1);
       } else if (kDecodeSplitsPairs && bf16_in_32s) {
         decode_item<uint16_t, DecodeTiles::kSplit>(p, ws, t, seq, hk0, nh, j0, j1);
@@ -450,6 +506,9 @@ inline void run_decode(const Problem& p, void* scratch, int nt) {
         decode_store(p, seq, hk, r, acc, 1.0f, lse);
       }
     }
+#if defined(FLARE_AMX_LEVEL)
+    if (amx) tile_release();
+#endif
   });
 }
 

@@ -12,7 +12,7 @@
 #include "cpu/simd.hpp"
 
 // Whether this unit has the dot-product tiles (below): AVX512_BF16 without AMX.
-#if defined(__AVX512BF16__) && !defined(__AMX_TILE__)
+#if defined(__AVX512BF16__) && !defined(FLARE_AMX_LEVEL)
 #define FLARE_DECODE_DOT_TILES 1
 #include "cpu/dot_bf16.hpp"
 #else
@@ -267,6 +267,18 @@ inline void join_split_row(float* x, int64_t n) {
   permute_row_blocks(x, n, low, _mm512_add_epi32(low, _mm512_set1_epi32(8)));
 }
 
+// "Dot order" (the dot-product and AMX tiles: two value rows interleaved by vpunpcklwd / vpunpckhwd, which
+// work within 128-bit lanes): per 32 columns, first columns 0-3, 8-11, 16-19, 24-27, then 4-7, 12-15, 20-23,
+// 28-31. Row x (n floats, a multiple of 32) from dot order back to column order, and the reverse.
+inline void join_dot_row(float* x, int64_t n) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  permute_row_blocks(x, n, first, _mm512_add_epi32(first, _mm512_set1_epi32(8)));
+}
+inline void split_dot_row(float* x, int64_t n) {
+  const __m512i low = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  permute_row_blocks(x, n, low, _mm512_add_epi32(low, _mm512_set1_epi32(4)));
+}
+
 // The 64-byte tiles' block loops (split and dot-product tiles alike). score_blocks_16: tile(r, j, 4-rows) over
 // the rows in fours against 4 keys at a time, then tile(r, j, 1-row) over the rest against 16 at a time;
 // between() before each tile.
@@ -395,12 +407,6 @@ constexpr bool kDecodeDotPairs = true;
 
 inline vec_t<float> dot_madd(vec_t<float> acc, __m512i a, __m512i b) {
   return static_cast<vec_t<float>>(Bf16PairOps::madd(static_cast<__m512>(acc), a, b));
-}
-
-// Row x (n floats, a multiple of 32) from dot order back to column order.
-inline void join_dot_row(float* x, int64_t n) {
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  permute_row_blocks(x, n, first, _mm512_add_epi32(first, _mm512_set1_epi32(8)));
 }
 
 // Scores of kRows bf16 query rows (ldq elements apart) against 16 / kRows bf16 key rows, head dim d (a

@@ -48,7 +48,7 @@ constexpr Kernels kLevels[] = {
 enum Level : int { kGeneric, kAvx2, kAvx512, kAvx512Bf16, kAmx };
 
 // Linux hands out the AMX tile state only on request, once per process.
-bool request_amx_permission() {
+[[maybe_unused]] bool request_amx_permission() {
 #if defined(__linux__) && defined(SYS_arch_prctl)
   constexpr long kArchReqXcompPerm = 0x1023;
   constexpr long kXfeatureXtiledata = 18;
@@ -68,13 +68,19 @@ const Kernels& select_kernels() {
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
     level = kAvx512;
   if (level == kAvx512 && __builtin_cpu_supports("avx512bf16")) level = kAvx512Bf16;
+#if defined(FLARE_AMX_EMULATE)
+  if (level == kAvx512Bf16) level = kAmx;  // tiles emulated in software (amx.hpp)
+#else
   if (level == kAvx512Bf16 && amx_bf16_supported()) level = kAmx;
+#endif
 #endif
   if (const char* forced = std::getenv("FLARE_CPU_ISA")) {
     for (int wanted = kGeneric; wanted < level; ++wanted)
       if (std::strcmp(forced, kLevels[wanted].name) == 0) level = wanted;
   }
+#if !defined(FLARE_AMX_EMULATE)
   if (level == kAmx && !request_amx_permission()) level = kAvx512Bf16;
+#endif
   return kLevels[level];
 }
 

@@ -33,7 +33,7 @@ struct AmxProduct {
   static int64_t key_blocks_for(const Problem& p) { return p.headdim >= 128 ? 2 : 1; }
 
   static void thread_begin() { amx_configure(); }
-  static void thread_end() { _tile_release(); }
+  static void thread_end() { tile_release(); }
 
   // ---- forward: blocks of kBk keys
 

@@ -38,7 +38,7 @@ inline constexpr int64_t kPrefetchRows = 8;
 // Whether the packs request their input rows ahead (prefetch_ahead, RowsAhead). Not at the AMX level: on
 // Sapphire Rapids, whose prefetchers follow these rows, the requests cost more than they saved, where on Zen 4
 // (the avx512bf16 level) they pay (docs/tuning-cpu.md).
-#if defined(__AMX_TILE__)
+#if defined(FLARE_AMX_LEVEL)
 inline constexpr bool kRequestPackRows = false;
 #else
 inline constexpr bool kRequestPackRows = true;
