@@ -272,7 +272,7 @@ inline void softmax_chunk_row(const Problem& p, const Sequence& seq, const polic
 //           q and o are held in that order, and o is joined again at the end;
 //   kDot    bf16 rows on vdpbf16ps (AVX512_BF16 without AMX, head dims multiples of 32): q held in bf16,
 //           P rounded to bf16, o held in dot order and joined at the end;
-//   kAmx    bf16 rows on AMX tiles (the AMX level, head dims multiples of 32, at most 16 rows per kv head:
+//   kAmx    bf16 rows on AMX tiles (the AMX level, head dims multiples of 32, 2 to 16 rows per kv head:
 //           decode_amx.hpp): q packed as a tile operand, P rounded to bf16, o held in dot order.
 enum class DecodeTiles { kWiden, kSplit, kDot, kAmx };
 

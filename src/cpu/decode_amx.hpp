@@ -1,8 +1,10 @@
 // decode_amx.hpp — the decode path's arithmetic on AMX tiles (the AMX level; bf16 caches, head dims multiples of
-// 32, at most 16 query rows per kv head). With two threads on a Xeon the FMA tiles of decode_tiles.hpp
-// computed a bf16 decode at about 40 cycles a key row (K and V, head dim 128, four query rows), and the
-// pass read the cache at 0.72-0.83x the copy bandwidth where fp32 caches, with half the arithmetic per byte,
-// read at 0.88-0.91x (docs/tuning-cpu.md). The tiles take both products off the vector units:
+// 32, 2 to 16 query rows per kv head). On a Xeon with two threads the FMA tiles of decode_tiles.hpp read a bf16
+// cache at 0.72-0.83x the copy bandwidth where fp32 caches, with half the arithmetic per byte, read at
+// 0.88-0.91x; by instruction count those tiles spend about 40 cycles on a key row (K and V, head dim 128, four
+// query rows), where the tile products take about 8 (one 16 x 16 x 32 product retires every 16 cycles: four
+// per 16 keys for Sᵀ, eight per 32 keys for O). The tiles take both products off the vector units
+// (docs/tuning-cpu.md):
 //   Sᵀ = K Qᵀ   A = 16 key rows read where they lie in the cache (any stride; staged only where a group's rows
 //               are not evenly spaced: pages, the chunk's tail), B = the query rows as VNNI pairs along the
 //               head dim, packed once per item; C = 16 keys x R rows, turned into R score rows by a permute.
@@ -21,8 +23,10 @@ inline constexpr bool kDecodeAmxTiles = true;
 // kKeys0/1: 16 key rows x 32 elements (A of Sᵀ = K Qᵀ), then 16 key pairs x 16 value columns (B of O += P V).
 enum DecodeTile : int { kScores0 = 0, kScores1 = 1, kQueryT = 2, kProbs = 3, kOut0 = 4, kOut1 = 5, kKeys0 = 6, kKeys1 = 7 };
 
-// Whether an item of R query rows per kv head runs on the tiles.
-inline bool decode_amx_fits(int64_t R) { return R >= 1 && R <= 16; }
+// Whether an item of R query rows per kv head runs on the tiles. A tile product costs the same for 1 row as for
+// 16 (about 16 cycles), where the FMA tiles' cost grows with R: at R = 1 (one token, no GQA) both come to about
+// 8 cycles a key row at head dim 128 and the tiles add the packing, so one row stays on the FMA tiles.
+inline bool decode_amx_fits(int64_t R) { return R >= 2 && R <= 16; }
 
 // R rounded up to a power of two: the pitch, in floats, of a key's scores as the score tiles are stored.
 inline int64_t decode_amx_pitch(int64_t R) {
