@@ -5,6 +5,8 @@
 #   2. the C++ tests again at every SIMD level below that one (FLARE_CPU_ISA=avx512bf16, avx512, avx2,
 #      generic), so the lower kernels are checked on a machine that would not pick them; levels above the
 #      best are named as not testable here
+#   2a. the C++ tests against the AMX level on tiles emulated in software, where the processor has
+#      AVX512_BF16 but no AMX (flare_tests_amx_emulated)
 #   2b. flare built with clang >= 16 under ASan + UBSan: the C++ tests (the C ABI fuzz target's seeds among
 #      them) and a bounded libFuzzer run (scripts/check-sanitizers.sh); the bf16 units' clang -O0 check
 #      (scripts/check-clang.sh)
@@ -60,6 +62,16 @@ for isa in "${levels[@]}"; do
   [[ -n $forced_isa_tests ]] && filter=(-R "$forced_isa_tests")
   FLARE_CPU_ISA=$isa ctest --test-dir build/release --output-on-failure -j"$jobs" "${filter[@]}"
 done
+
+# The AMX level's code on tiles emulated in software (tests/cpp/CMakeLists.txt), where the processor has
+# AVX512_BF16 but not AMX; CpuLevels is left out (it expects the level CPUID reports, which emulation raises).
+if [[ $best == avx512bf16 ]]; then
+  stage "C++ tests, SIMD level amx on tiles emulated in software (flare_tests_amx_emulated)"
+  build/release/tests/cpp/flare_tests_amx_emulated --gtest_brief=1 \
+    --gtest_filter=-CpuLevels.BestLevelOrTheForcedOneBelowIt
+else
+  stage "C++ tests, SIMD level amx on emulated tiles: skipped (it needs AVX512_BF16 without AMX; best is $best)"
+fi
 
 stage "clang >= 16, ASan + UBSan: C++ tests, C ABI fuzz target (scripts/check-sanitizers.sh)"
 scripts/check-sanitizers.sh build/sanitize

@@ -1069,7 +1069,9 @@ TEST(CudaForwardSplits, EachCountChangesTheTilesPerSplit) {
       p.seqlen_k = keys;
       const int64_t s = sm80_forward_splits(p, 64, 132, 0);
       const int64_t tiles = (keys + kMinKeysPerForwardSplit - 1) / kMinKeysPerForwardSplit;
-      if (s > 1) EXPECT_NE((tiles + s - 1) / s, (tiles + s - 2) / (s - 1)) << keys << " " << heads;
+      if (s > 1) {
+        EXPECT_NE((tiles + s - 1) / s, (tiles + s - 2) / (s - 1)) << keys << " " << heads;
+      }
     }
   }
 }
