@@ -83,7 +83,7 @@ struct DecodeScratch {
                    a.take<uint16_t>(heads * rows * dp), a.take<uint16_t>(rows * C + 2), nullptr, nullptr, nullptr,
                    nullptr};
 #if defined(FLARE_AMX_LEVEL)
-      if (decode_amx_fits(rows)) {
+      if (p.dtype == FLARE_DTYPE_BF16 && decode_amx_fits(rows)) {
         pt.qt = a.take<uint16_t>(decode_amx_query_elems(heads, dp));
         pt.vt = a.take<uint16_t>(decode_amx_value_elems(dvp));
         pt.kstage = a.take<uint16_t>(decode_amx_stage_elems(dp));
