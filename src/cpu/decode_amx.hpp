@@ -21,7 +21,9 @@ namespace flare::cpu::FLARE_ISA {
 inline constexpr bool kDecodeAmxTiles = true;
 
 // kKeys0/1: 16 key rows x 32 elements (A of Sᵀ = K Qᵀ), then 16 key pairs x 16 value columns (B of O += P V).
-enum DecodeTile : int { kScores0 = 0, kScores1 = 1, kQueryT = 2, kProbs = 3, kOut0 = 4, kOut1 = 5, kKeys0 = 6, kKeys1 = 7 };
+enum DecodeTile : int {
+  kScores0 = 0, kScores1 = 1, kQueryT = 2, kProbs = 3, kOut0 = 4, kOut1 = 5, kKeys0 = 6, kKeys1 = 7
+};
 
 // Whether an item of R query rows per kv head runs on the tiles. A tile product costs the same for 1 row as for
 // 16 (about 16 cycles), where the FMA tiles' cost grows with R: at R = 1 (one token, no GQA) both come to about
