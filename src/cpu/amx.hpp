@@ -59,6 +59,11 @@ struct EmulatedTiles {
   alignas(64) uint8_t t[8][16][64];
 };
 inline thread_local EmulatedTiles emulated_tiles;
+// Row r of a tile operand, computed on addresses as the instructions compute it: the rows may lie in different
+// allocations (pages of a KV cache), where pointer arithmetic between them is undefined.
+inline const void* row_address(const void* base, int r, int64_t stride_bytes) {
+  return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(base) + static_cast<uintptr_t>(r * stride_bytes));
+}
 
 template <int T>
 inline void tile_zero() {
@@ -69,13 +74,13 @@ inline void tile_load(const void* base, int64_t stride_bytes) {
   EmulatedTiles& e = emulated_tiles;
   tile_zero<T>();
   for (int r = 0; r < e.cfg.rows[T]; ++r)
-    std::memcpy(e.t[T][r], static_cast<const char*>(base) + r * stride_bytes, e.cfg.colsb[T]);
+    std::memcpy(e.t[T][r], row_address(base, r, stride_bytes), e.cfg.colsb[T]);
 }
 template <int T>
 inline void tile_store(void* base, int64_t stride_bytes) {
   EmulatedTiles& e = emulated_tiles;
   for (int r = 0; r < e.cfg.rows[T]; ++r)
-    std::memcpy(static_cast<char*>(base) + r * stride_bytes, e.t[T][r], e.cfg.colsb[T]);
+    std::memcpy(const_cast<void*>(row_address(base, r, stride_bytes)), e.t[T][r], e.cfg.colsb[T]);
 }
 template <int C, int A, int B>
 inline void tile_dot_bf16() {

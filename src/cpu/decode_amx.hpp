@@ -107,10 +107,11 @@ inline void decode_amx_scores(const uint16_t* qt, int64_t R, int64_t d, const ui
   int64_t stride[2] = {};
   for (int64_t g = 0; g < groups; ++g) {
     const uint16_t* const* rows = k + 16 * g;
-    const char* first = reinterpret_cast<const char*>(rows[0]);
-    const int64_t step = reinterpret_cast<const char*>(rows[1]) - first;
+    // As addresses: the rows may lie in different pages (blocks), where pointer differences are undefined.
+    const auto at = [&](int i) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(rows[i])); };
+    const int64_t step = at(1) - at(0);
     bool even = true;
-    for (int i = 2; i < 16; ++i) even &= reinterpret_cast<const char*>(rows[i]) == first + i * step;
+    for (int i = 2; i < 16; ++i) even &= at(i) == at(0) + i * step;
     if (even) {
       base[g] = rows[0], stride[g] = step;
     } else {
