@@ -51,9 +51,10 @@ inline void tile_dot_bf16() {
 inline void tile_configure(const AmxTileConfig& cfg) { _tile_loadconfig(&cfg); }
 inline void tile_release() { _tile_release(); }
 #else
-// FLARE_AMX_EMULATE (a test build, CMake option FLARE_AMX_EMULATE): the tile instructions in software, so that
-// the AMX level's code runs and is tested on processors without tiles. Eight 16 x 64-byte tiles per thread,
-// shaped by the last configuration; loads zero what lies outside a tile's shape, as the hardware does.
+// FLARE_AMX_EMULATE (tests only: flare_tests_amx_emulated, src/CMakeLists.txt): the tile instructions in
+// software, so that the AMX level's code runs and is tested on processors without tiles. Eight 16 x 64-byte
+// tiles per thread, shaped by the last configuration; loads zero what lies outside a tile's shape, as the
+// hardware does.
 struct EmulatedTiles {
   AmxTileConfig cfg{};
   alignas(64) uint8_t t[8][16][64];
