@@ -39,10 +39,6 @@
 
 namespace flare::cpu::FLARE_ISA {
 
-#if !defined(FLARE_AMX_LEVEL)
-inline constexpr bool kDecodeAmxTiles = false;
-#endif
-
 inline constexpr int64_t kDecodeChunk = 32;     // keys per step (a multiple of every vector width)
 inline constexpr int64_t kDecodeItemRows = 64;  // query rows of one item at most (its heads x R): its state
 
@@ -297,9 +293,10 @@ inline void decode_item(const Problem& p, const DecodeScratch& ws, const DecodeS
 #if defined(__AVX512F__) && FLARE_VEC_BYTES == 64
       if constexpr (kTiles == DecodeTiles::kSplit) split_row(q, dp);
 #endif
-#if FLARE_DECODE_DOT_TILES
+#if FLARE_DECODE_DOT_TILES || defined(FLARE_AMX_LEVEL)
       // q is bf16 in the call (or rotated into bf16), so rounding it back is exact.
-      if constexpr (kTiles == DecodeTiles::kDot) round_to_bf16(q, t.qb + (h * R + r) * dp, dp);
+      if constexpr (kTiles == DecodeTiles::kDot || kTiles == DecodeTiles::kAmx)
+        round_to_bf16(q, t.qb + (h * R + r) * dp, dp);
 #endif
       t.m[h * R + r] = -std::numeric_limits<float>::infinity();
       t.l[h * R + r] = 0.0f;
@@ -307,9 +304,11 @@ inline void decode_item(const Problem& p, const DecodeScratch& ws, const DecodeS
     }
   }
 #if defined(FLARE_AMX_LEVEL)
-  // (q is bf16 in the call, or rotated into bf16: packing it as bf16 is exact.)
+  // Each head's bf16 query rows as the B operand of Sᵀ = K Qᵀ: one group of 16 columns (rows past R zero).
   if constexpr (kTiles == DecodeTiles::kAmx)
-    for (int64_t h = 0; h < nh; ++h) decode_amx_pack_queries(t.q + h * R * dp, dp, R, dp, t.qt + h * dp * 16);
+    for (int64_t h = 0; h < nh; ++h)
+      pack_b_k_along_rows(t.qt + h * dp * 16, dp / 32, 0, 16, dp,
+                          [&](int64_t r) { return r < R ? t.qb + (h * R + r) * dp : nullptr; });
 #endif
   RowPtr* krows = t.krows;
   RowPtr* vrows = t.vrows;
@@ -440,7 +439,7 @@ inline void run_decode(const Problem& p, void* scratch, int nt) {
   const bool bf16_in_32s =
       in_place && p.dtype == FLARE_DTYPE_BF16 && p.headdim % 32 == 0 && p.headdim_v % 32 == 0;
   constexpr float kInf = std::numeric_limits<float>::infinity();
-  const bool amx = kDecodeAmxTiles && bf16_in_32s && ws.threads[0].qt != nullptr;
+  const bool amx = bf16_in_32s && ws.threads[0].qt != nullptr;  // qt: the AMX level's bf16 scratch (layout)
   on_team(nt, [&]() {
     const DecodeScratch::PerThread& t = ws.threads[omp_get_thread_num()];
 #if defined(FLARE_AMX_LEVEL)

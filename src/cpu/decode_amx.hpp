@@ -18,8 +18,6 @@
 
 namespace flare::cpu::FLARE_ISA {
 
-inline constexpr bool kDecodeAmxTiles = true;
-
 // kKeys0/1: 16 key rows x 32 elements (A of Sᵀ = K Qᵀ), then 16 key pairs x 16 value columns (B of O += P V).
 enum DecodeTile : int {
   kScores0 = 0, kScores1 = 1, kQueryT = 2, kProbs = 3, kOut0 = 4, kOut1 = 5, kKeys0 = 6, kKeys1 = 7
@@ -61,16 +59,6 @@ inline void decode_amx_configure(int64_t R) {
   tile_configure(cfg);
 }
 
-// R query rows (fp32 holding bf16 values, ldq apart, head dim d) as the B operand of Sᵀ = K Qᵀ: per 32 elements
-// c of the head dim, 16 rows (pairs along d) of R words (query rows), 64 bytes apart:
-// qt[(c / 32 * 16 + i) * 32 + 2 r + e] = q_r[c + 2 i + e].
-inline void decode_amx_pack_queries(const float* q, int64_t ldq, int64_t R, int64_t d, uint16_t* qt) {
-  for (int64_t c = 0; c < d; c += 32)
-    for (int64_t i = 0; i < 16; ++i)
-      for (int64_t r = 0; r < R; ++r)
-        for (int e = 0; e < 2; ++e) qt[(c / 32 * 16 + i) * 32 + 2 * r + e] = float_to_bf16(q[r * ldq + c + 2 * i + e]);
-}
-
 // s[r * lds + k] = scale * st[k * pitch + r] for the R rows and 16 keys of one stored score tile. Each
 // permute gathers column r from two vectors (32 / pitch keys); the vectors' pairs are blended by key.
 inline void decode_amx_score_rows(const float* st, int64_t R, int64_t pitch, float scale, float* s, int64_t lds) {
@@ -95,10 +83,10 @@ inline void decode_amx_score_rows(const float* st, int64_t R, int64_t pitch, flo
   }
 }
 
-// Scores of the R query rows (packed by decode_amx_pack_queries into qt) against the keys k[0..n) (n <= 32; k
-// padded to a multiple of 16 with valid rows): s[r * lds + j] = scale * q_r · k_j for j < round_up(n, 16).
-// A group of 16 keys is loaded from the cache where its rows are evenly spaced, else from `stage` (32 x d).
-// st: kDecodeAmxScoreFloats floats. between(): after each 32 elements of the head dim.
+// Scores of the R query rows (qt: packed by pack_b_k_along_rows, 16 columns, those past R zero) against the keys
+// k[0..n) (n <= 32; k padded to a multiple of 16 with valid rows): s[r * lds + j] = scale * q_r · k_j for
+// j < round_up(n, 16). A group of 16 keys is loaded from the cache where its rows are evenly spaced, else from
+// `stage` (32 x d). st: kDecodeAmxScoreFloats floats. between(): after each 32 elements of the head dim.
 template <class Between>
 inline void decode_amx_scores(const uint16_t* qt, int64_t R, int64_t d, const uint16_t* const* k, int64_t n,
                               float scale, float* s, int64_t lds, float* st, uint16_t* stage, Between&& between) {
