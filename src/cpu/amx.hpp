@@ -11,6 +11,8 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -43,9 +45,10 @@ template <int T>
 inline void tile_store(void* base, int64_t stride_bytes) {
   asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(base), "r"(stride_bytes), "i"(T) : "memory");
 }
-// C += A * B with bf16 pairs accumulated in fp32.
+// C += A * B with bf16 pairs accumulated in fp32. The three registers must differ (else #UD).
 template <int C, int A, int B>
 inline void tile_dot_bf16() {
+  static_assert(C != A && C != B && A != B, "tdpbf16ps faults when two of its tiles are the same register");
   asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
 }
 inline void tile_configure(const AmxTileConfig& cfg) { _tile_loadconfig(&cfg); }
@@ -54,12 +57,26 @@ inline void tile_release() { _tile_release(); }
 // FLARE_AMX_EMULATE (tests only: flare_tests_amx_emulated, src/CMakeLists.txt): the tile instructions in
 // software, so that the AMX level's code runs and is tested on processors without tiles. Eight 16 x 64-byte
 // tiles per thread, shaped by the last configuration; loads zero what lies outside a tile's shape, as the
-// hardware does.
+// hardware does. Where the hardware raises #UD (no configuration loaded, a product whose three shapes do not
+// agree), and where code touches a tile its configuration leaves empty, the emulation stops the process with
+// the reason: a mistake that would fault on a Xeon fails the emulated tests instead of computing on a guess.
 struct EmulatedTiles {
   AmxTileConfig cfg{};
   alignas(64) uint8_t t[8][16][64];
 };
 inline thread_local EmulatedTiles emulated_tiles;
+
+[[noreturn]] inline void emulated_fault(const char* instruction, int tile, const char* why) {
+  std::fprintf(stderr, "flare AMX emulation: %s on tmm%d: %s\n", instruction, tile, why);
+  std::abort();
+}
+// The configured shape of tile T, checked as the hardware checks it before any tile instruction.
+inline void emulated_check_tile(const char* instruction, int t) {
+  const AmxTileConfig& c = emulated_tiles.cfg;
+  if (c.palette != 1) emulated_fault(instruction, t, "no tile configuration is loaded on this thread (#UD)");
+  if (c.rows[t] == 0 || c.colsb[t] == 0) emulated_fault(instruction, t, "the configuration leaves the tile empty");
+  if (c.rows[t] > 16 || c.colsb[t] > 64) emulated_fault(instruction, t, "the tile is larger than palette 1 allows (#UD at ldtilecfg)");
+}
 // Row r of a tile operand, computed on addresses as the instructions compute it: the rows may lie in different
 // allocations (pages of a KV cache), where pointer arithmetic between them is undefined.
 inline const void* row_address(const void* base, int r, int64_t stride_bytes) {
@@ -68,24 +85,35 @@ inline const void* row_address(const void* base, int r, int64_t stride_bytes) {
 
 template <int T>
 inline void tile_zero() {
+  emulated_check_tile("tilezero", T);
   std::memset(emulated_tiles.t[T], 0, sizeof(emulated_tiles.t[T]));
 }
 template <int T>
 inline void tile_load(const void* base, int64_t stride_bytes) {
   EmulatedTiles& e = emulated_tiles;
-  tile_zero<T>();
+  emulated_check_tile("tileloadd", T);
+  std::memset(e.t[T], 0, sizeof(e.t[T]));
   for (int r = 0; r < e.cfg.rows[T]; ++r)
     std::memcpy(e.t[T][r], row_address(base, r, stride_bytes), e.cfg.colsb[T]);
 }
 template <int T>
 inline void tile_store(void* base, int64_t stride_bytes) {
   EmulatedTiles& e = emulated_tiles;
+  emulated_check_tile("tilestored", T);
   for (int r = 0; r < e.cfg.rows[T]; ++r)
     std::memcpy(const_cast<void*>(row_address(base, r, stride_bytes)), e.t[T][r], e.cfg.colsb[T]);
 }
 template <int C, int A, int B>
 inline void tile_dot_bf16() {
+  static_assert(C != A && C != B && A != B, "tdpbf16ps faults when two of its tiles are the same register");
   EmulatedTiles& e = emulated_tiles;
+  for (const int t : {C, A, B}) emulated_check_tile("tdpbf16ps", t);
+  const AmxTileConfig& c = e.cfg;
+  if (c.colsb[C] % 4 != 0 || c.colsb[A] % 4 != 0 || c.colsb[B] % 4 != 0)
+    emulated_fault("tdpbf16ps", C, "a row of some operand is not a whole number of bf16 pairs (#UD)");
+  if (c.rows[C] != c.rows[A]) emulated_fault("tdpbf16ps", C, "C and A have different row counts (#UD)");
+  if (c.colsb[A] != 4 * c.rows[B]) emulated_fault("tdpbf16ps", A, "A's pairs per row differ from B's rows (#UD)");
+  if (c.colsb[C] != c.colsb[B]) emulated_fault("tdpbf16ps", C, "C and B have different row widths (#UD)");
   const auto bf16 = [](const uint8_t* at) {
     uint16_t h;
     std::memcpy(&h, at, 2);
@@ -106,7 +134,7 @@ inline void tile_dot_bf16() {
     }
 }
 inline void tile_configure(const AmxTileConfig& cfg) { emulated_tiles.cfg = cfg; }
-inline void tile_release() {}
+inline void tile_release() { emulated_tiles.cfg = AmxTileConfig{}; }  // back to the init state
 #endif
 
 inline void amx_configure() {
