@@ -7,8 +7,12 @@ Rows (topic cpu-features), per dtype (fp32, bf16), pass (fwd, bwd) and mask (ful
   feature=sinks     one sink per head against none: goal ratio <= 1.03
   feature=hd512     head dim 512 against 256 in TFLOP/s (FLOPs scale with the head dim): goal >= 0.90
                     (skipped, with the reason in the row, when the library does not take head dim 512)
-Each pair runs interleaved (a, b, a, b, ...) so drifting clocks and neighbours hit both alike; a row holds
-both medians and the ratio. Shape: 8192 tokens (batch 8192 / seqlen), seqlen 2048, width 1024 at head dim
+Each pair runs interleaved, in alternating order (a b, b a, a b, ...: neither call always follows the other,
+so the allocator's and the caches' state after one call does not favour the same side), so drifting clocks
+and neighbours hit both alike. A row's ratio is the median of the rounds' ratios (each round's two calls ran
+back to back, so a phase of the host that slows both cancels in their ratio), with its lower and upper quartile
+(ratio_q1, ratio_q3) and the ratio of the two medians beside it (ratio_of_medians); the row also holds both
+medians (base_ms, with_ms). Shape: 8192 tokens (batch 8192 / seqlen), seqlen 2048, width 1024 at head dim
 128 (8 heads; 4 at 256, 2 at 512), the convention of bench_cpu.py. Inputs fresh N(0, 1); flare is called
 through flare.ops' eager functions (the host cost, ~50 us, is far below these runs).
 
@@ -58,15 +62,24 @@ def caller(pass_, q, k, v, dout, causal, sinks=None, dropout_p=0.0):
 
 
 def interleaved_ms(a, b, runs):
-    """Medians (ms) of a and b timed alternately, after one warm-up of each."""
+    """Timed rounds of a and b after one warm-up of each, the order alternating (a b, b a, ...): the medians
+    (ms) of a and of b, and each round's time of b over its time of a."""
     a(), b()
     ta, tb = [], []
-    for _ in range(runs):
-        for fn, times in ((a, ta), (b, tb)):
+    for i in range(runs):
+        order = ((a, ta), (b, tb)) if i % 2 == 0 else ((b, tb), (a, ta))
+        for fn, times in order:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ta), statistics.median(tb)
+    return statistics.median(ta), statistics.median(tb), [y / x for x, y in zip(ta, tb)]
+
+
+def ratio_summary(pair_ratios, scale=1.0):
+    """The median of scale x each round's ratio, with its quartiles."""
+    values = sorted(scale * r for r in pair_ratios)
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+    return statistics.median(values), q1, q3
 
 
 def main():
@@ -76,7 +89,8 @@ def main():
     args = parser.parse_args()
     runs = 3 if args.quick else 7
     rows = []
-    print(f"{'feature':8} {'dtype':5} {'pass':4} {'mask':6} {'base ms':>9} {'with ms':>9} {'ratio':>6}  goal")
+    print(f"{'feature':8} {'dtype':5} {'pass':4} {'mask':6} {'base ms':>9} {'with ms':>9} {'ratio':>6} {'q1-q3':>11}"
+          "  goal")
     for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         for pass_ in ("fwd", "bwd"):
             for causal in (False, True):
@@ -88,14 +102,15 @@ def main():
                     "sinks": (caller(pass_, q, k, v, dout, causal), caller(pass_, q, k, v, dout, causal, sinks)),
                 }
                 for feature, (base, with_) in pairs.items():
-                    base_ms, with_ms = interleaved_ms(base, with_, runs)
+                    base_ms, with_ms, pair_ratios = interleaved_ms(base, with_, runs)
                     kind, goal = GOALS[feature]
-                    ratio = with_ms / base_ms
+                    ratio, q1, q3 = ratio_summary(pair_ratios)
                     rows.append(dict(feature=feature, dtype=dtype_name, pass_=pass_, causal=causal, seqlen=SEQLEN,
-                                     headdim=128, base_ms=base_ms, with_ms=with_ms, ratio=ratio, goal=goal,
+                                     headdim=128, base_ms=base_ms, with_ms=with_ms, ratio=ratio, ratio_q1=q1,
+                                     ratio_q3=q3, ratio_of_medians=with_ms / base_ms, goal=goal,
                                      meets_goal=ratio <= goal))
                     print(f"{feature:8} {dtype_name:5} {pass_:4} {mask:6} {base_ms:9.2f} {with_ms:9.2f} {ratio:6.3f}"
-                          f"  <= {goal}")
+                          f" {q1:5.3f}-{q3:5.3f}  <= {goal}")
                 # Head dim 512 against 256 at the same width (half the heads): TFLOP/s.
                 q2, k2, v2, d2, _ = inputs(256, dtype, seed=2)
                 q5, k5, v5, d5, _ = inputs(512, dtype, seed=3)
@@ -107,17 +122,19 @@ def main():
                                      skipped=f"{type(e).__name__}: {e}"))
                     print(f"hd512    {dtype_name:5} {pass_:4} {mask:6} skipped: {e}")
                     continue
-                ms256, ms512 = interleaved_ms(caller(pass_, q2, k2, v2, d2, causal),
-                                              caller(pass_, q5, k5, v5, d5, causal), runs)
+                ms256, ms512, pair_ratios = interleaved_ms(caller(pass_, q2, k2, v2, d2, causal),
+                                                           caller(pass_, q5, k5, v5, d5, causal), runs)
                 batch = TOKENS // SEQLEN
-                tf = {d: attention_flops(pass_, batch, WIDTH // d, SEQLEN, SEQLEN, d, causal) / (ms * 1e-3) / 1e12
-                      for d, ms in ((256, ms256), (512, ms512))}
-                ratio = tf[512] / tf[256]
+                flops = {d: attention_flops(pass_, batch, WIDTH // d, SEQLEN, SEQLEN, d, causal) for d in (256, 512)}
+                tf = {d: flops[d] / (ms * 1e-3) / 1e12 for d, ms in ((256, ms256), (512, ms512))}
+                # TFLOP/s at 512 over 256 in one round = (flops 512 / flops 256) / (its ms 512 / ms 256).
+                ratio, q1, q3 = ratio_summary([1 / r for r in pair_ratios], scale=flops[512] / flops[256])
                 rows.append(dict(feature="hd512", dtype=dtype_name, pass_=pass_, causal=causal, seqlen=SEQLEN,
                                  base_ms=ms256, with_ms=ms512, tflops_256=tf[256], tflops_512=tf[512],
-                                 tflops_ratio=ratio, goal=GOALS["hd512"][1], meets_goal=ratio >= GOALS["hd512"][1]))
+                                 tflops_ratio=ratio, ratio_q1=q1, ratio_q3=q3, ratio_of_medians=tf[512] / tf[256],
+                                 goal=GOALS["hd512"][1], meets_goal=ratio >= GOALS["hd512"][1]))
                 print(f"hd512    {dtype_name:5} {pass_:4} {mask:6} {ms256:9.2f} {ms512:9.2f} {ratio:6.3f}"
-                      f"  >= {GOALS['hd512'][1]} (TFLOP/s 512 / 256)")
+                      f" {q1:5.3f}-{q3:5.3f}  >= {GOALS['hd512'][1]} (TFLOP/s 512 / 256)")
     for row in rows:  # "pass" in the file, as the other topics spell it
         row["pass"] = row.pop("pass_")
     # The processor's name last: device_meta's "device" says only that no GPU is present.

@@ -65,3 +65,26 @@ def test_decode_bench_quick_smoke(tmp_path):
     assert {(r["impl"], r["dtype"]) for r in rows} == {(i, d) for i in ("flare", "torch-cpu") for d in ("bf16", "fp32")}
     assert all(r["pass"] == "decode" and r["tbps"] > 0 and r["nheads"] == 32 and r["nheads_k"] == 8 for r in rows)
     assert all(r["ms_after_peer"] > 0 and r["copy_ratio_after_peer"] > 0 and r["row_copy_tbps"] > 0 for r in rows)
+
+
+def test_features_rounds_alternate_and_ratios_are_per_round(monkeypatch):
+    """bench_features.py: the order within a round alternates, and a round's ratio is its own two calls'."""
+    import bench_features
+
+    clock = [0.0]
+    order = []
+    phase = iter([1.0, 1.0, 1.0, 1.0, 3.0, 3.0, 3.0, 3.0, 1.0, 1.0])  # a slow phase covering rounds 2 and 3
+
+    def make(name, seconds):
+        def call():
+            order.append(name)
+            clock[0] += seconds * next(phase, 1.0)
+        return call
+
+    monkeypatch.setattr(bench_features.time, "perf_counter", lambda: clock[0])
+    a_ms, b_ms, ratios = bench_features.interleaved_ms(make("a", 0.010), make("b", 0.011), runs=4)
+    assert order == ["a", "b", "a", "b", "b", "a", "a", "b", "b", "a"]  # warm-up, then a b, b a, a b, b a
+    assert len(ratios) == 4 and all(abs(r - 1.1) < 1e-9 for r in ratios)  # the phase cancels within a round
+    assert abs(a_ms - 20.0) < 1e-9 and abs(b_ms - 22.0) < 1e-9  # medians of (10, 30, 30, 10) and (11, 33, 33, 11)
+    median, q1, q3 = bench_features.ratio_summary([1.0, 1.2, 1.1, 1.4, 0.9], scale=2.0)
+    assert abs(median - 2.2) < 1e-9 and abs(q1 - 2.0) < 1e-9 and abs(q3 - 2.4) < 1e-9
