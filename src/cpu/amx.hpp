@@ -75,7 +75,8 @@ inline void emulated_check_tile(const char* instruction, int t) {
   const AmxTileConfig& c = emulated_tiles.cfg;
   if (c.palette != 1) emulated_fault(instruction, t, "no tile configuration is loaded on this thread (#UD)");
   if (c.rows[t] == 0 || c.colsb[t] == 0) emulated_fault(instruction, t, "the configuration leaves the tile empty");
-  if (c.rows[t] > 16 || c.colsb[t] > 64) emulated_fault(instruction, t, "the tile is larger than palette 1 allows (#UD at ldtilecfg)");
+  if (c.rows[t] > 16 || c.colsb[t] > 64)
+    emulated_fault(instruction, t, "the tile is larger than palette 1 allows (#UD at ldtilecfg)");
 }
 // Row r of a tile operand, computed on addresses as the instructions compute it: the rows may lie in different
 // allocations (pages of a KV cache), where pointer arithmetic between them is undefined.
