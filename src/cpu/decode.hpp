@@ -364,7 +364,8 @@ inline void decode_item(const Problem& p, const DecodeScratch& ws, const DecodeS
       }
 #endif
       chunk_rows(p, vrows[h], jc, n, p.headdim_v, dvp, t.v, vp);
-      // O += P V for kRows rows from r over the chunk's keys [a, b): the split tiles or the widening ones.
+      // O += P V for kRows rows from r over the chunk's keys [a, b): the split, dot-product or widening tiles
+      // (kAmx: the widening ones for a masked chunk's rows; a whole chunk runs on AMX tiles below).
       const auto add_values = [&](auto rows, int64_t r, int64_t a, int64_t b) {
         constexpr int kRows = decltype(rows)::value;
         if constexpr (kTiles == DecodeTiles::kSplit) {
@@ -375,33 +376,27 @@ inline void decode_item(const Problem& p, const DecodeScratch& ws, const DecodeS
 #if FLARE_DECODE_DOT_TILES
           accumulate_pv_dot<kRows>(t.pb + r * C, C, vp, a, b, o + r * dvp, dvp, dvp, prefetch);
 #endif
+        } else if constexpr (kTiles == DecodeTiles::kAmx) {
+#if defined(FLARE_AMX_LEVEL)
+          // Only rows on a causal or window edge come here (few): the widening tiles, in column order.
+          for (int64_t x = r; x < r + kRows; ++x) join_dot_row(o + x * dvp, dvp);
+          accumulate_pv<kRows>(t.s + r * C, C, vp, a, b, o + r * dvp, dvp, dvp, prefetch);
+          for (int64_t x = r; x < r + kRows; ++x) split_dot_row(o + x * dvp, dvp);
+#endif
         } else {
           accumulate_pv<kRows>(t.s + r * C, C, vp, a, b, o + r * dvp, dvp, dvp, prefetch);
         }
       };
-#if defined(FLARE_AMX_LEVEL)
-      if constexpr (kTiles == DecodeTiles::kAmx) {
-        if (!masked) {
-          decode_amx_values(t.pb, vp, n, dvp, o, dvp, t.vt, prefetch);
-          continue;
-        }
-        // Each row over its own keys, on the widening tiles in column order (chunks on a causal or window
-        // edge: few).
-        for (int64_t r = 0; r < R; ++r) {
-          const policy::KeyRange seen = mask.keys_of(r % seq.seqlen_q);
-          const int64_t a = smax(seen.first, jc) - jc, b = smin(seen.last + 1, jc + n) - jc;
-          if (a >= b) continue;
-          join_dot_row(o + r * dvp, dvp);
-          accumulate_pv<1>(t.s + r * C, C, vp, a, b, o + r * dvp, dvp, dvp, prefetch);
-          split_dot_row(o + r * dvp, dvp);
-        }
-        continue;
-      }
-#endif
       if (!masked) {
-        int64_t r = 0;
-        for (; r + 4 <= R; r += 4) add_values(std::integral_constant<int, 4>{}, r, 0, n);
-        for (; r < R; ++r) add_values(std::integral_constant<int, 1>{}, r, 0, n);
+        if constexpr (kTiles == DecodeTiles::kAmx) {
+#if defined(FLARE_AMX_LEVEL)
+          decode_amx_values(t.pb, vp, n, dvp, o, dvp, t.vt, prefetch);
+#endif
+        } else {
+          int64_t r = 0;
+          for (; r + 4 <= R; r += 4) add_values(std::integral_constant<int, 4>{}, r, 0, n);
+          for (; r < R; ++r) add_values(std::integral_constant<int, 1>{}, r, 0, n);
+        }
         continue;
       }
       for (int64_t r = 0; r < R; ++r) {
