@@ -18,6 +18,7 @@ through flare.ops' eager functions (the host cost, ~50 us, is far below these ru
 
   python3 bench/cpu/bench_features.py            # writes bench/results/cpu-features-<date>-<sha>.json
   python3 bench/cpu/bench_features.py --quick    # fewer runs, writes under build/bench/
+  python3 bench/cpu/bench_features.py --runs 15  # more rounds per pair: a narrower median on a noisy host
 """
 
 import argparse
@@ -85,9 +86,13 @@ def ratio_summary(pair_ratios, scale=1.0):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="3 runs per pair instead of 7")
+    parser.add_argument("--runs", type=int, help="timed rounds per pair (default 7, 3 with --quick); more rounds "
+                        "narrow the median's spread on a noisy host")
     parser.add_argument("--out", help="the result file (default: bench/results, or build/bench with --quick)")
     args = parser.parse_args()
-    runs = 3 if args.quick else 7
+    runs = args.runs if args.runs is not None else 3 if args.quick else 7
+    if runs < 1:
+        parser.error(f"--runs must be at least 1, got {runs}")
     rows = []
     print(f"{'feature':8} {'dtype':5} {'pass':4} {'mask':6} {'base ms':>9} {'with ms':>9} {'ratio':>6} {'q1-q3':>11}"
           "  goal")
