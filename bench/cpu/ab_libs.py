@@ -44,7 +44,8 @@ def main():
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "fp16"])
+    ap.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES),
+                    help="dtypes to time (default: fp32 fp16; with --features, each of its shapes' dtypes)")
     ap.add_argument("--decode", action="store_true", help="decode steps instead of the race shapes")
     ap.add_argument("--features", action="store_true", help="bench_features.py's shapes instead of the race shapes")
     args = ap.parse_args()
@@ -70,7 +71,7 @@ DECODE_SHAPES = [(1, 1024, 0), (1, 8192, 1024), (1, 32768, 1024), (4, 8192, 1024
 
 def decode_rows(libs, args, gen):
     rows = []
-    for dtype_name in args.dtypes:
+    for dtype_name in args.dtypes or ["fp32", "fp16"]:
         dtype = DTYPES[dtype_name]
         for batch, keys, rotate_mib in DECODE_SHAPES:
             nbytes = bench_decode.kv_bytes(batch, keys, dtype)
@@ -107,6 +108,8 @@ FEATURE_SHAPES = [("fp32", 128), ("bf16", 128), ("bf16", 256), ("bf16", 512)]
 def feature_rows(libs, args, gen):
     rows = []
     for dtype_name, headdim in FEATURE_SHAPES:
+        if args.dtypes and dtype_name not in args.dtypes:
+            continue
         batch, heads = bench_features.TOKENS // bench_features.SEQLEN, bench_features.WIDTH // headdim
         make = lambda: torch.randn(batch, bench_features.SEQLEN, heads, headdim, generator=gen).to(DTYPES[dtype_name])  # noqa: E731
         q, k, v, dout = make(), make(), make(), make()
@@ -149,7 +152,7 @@ def timed_passes(runners, args, shape):
 
 def race_rows(libs, args, gen):
     rows = []
-    for dtype_name in args.dtypes:
+    for dtype_name in args.dtypes or ["fp32", "fp16"]:
         for sq, sk in RACE_SEQLENS:
             make = lambda s: torch.randn(RACE_BATCH, s, RACE_HEADS, RACE_HEADDIM, generator=gen).to(DTYPES[dtype_name])  # noqa: E731
             q, k, v, dout = make(sq), make(sk), make(sk), make(sq)
