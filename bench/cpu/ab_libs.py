@@ -35,6 +35,7 @@ from bench_cpu import RACE_BATCH, RACE_HEADDIM, RACE_HEADS, RACE_SEQLENS, FlareR
 from flare._capi import Flare  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_DTYPES = ["fp32", "fp16"]  # the race and decode rows' dtypes without --dtypes
 
 
 def main():
@@ -71,7 +72,7 @@ DECODE_SHAPES = [(1, 1024, 0), (1, 8192, 1024), (1, 32768, 1024), (4, 8192, 1024
 
 def decode_rows(libs, args, gen):
     rows = []
-    for dtype_name in args.dtypes or ["fp32", "fp16"]:
+    for dtype_name in args.dtypes or DEFAULT_DTYPES:
         dtype = DTYPES[dtype_name]
         for batch, keys, rotate_mib in DECODE_SHAPES:
             nbytes = bench_decode.kv_bytes(batch, keys, dtype)
@@ -129,17 +130,11 @@ def timed_passes(runners, args, shape):
         for r in runners:
             r.fwd()
             r.bwd()
-        times = [[], []]
-        for round_ in range(args.runs):
-            # ABBA order: each call allocates its outputs, and the allocator can hand one library recycled
-            # pages and the other fresh ones round after round (seen as a steady 0.6-0.85x on one row that
-            # interleaved single-library timings put level).
-            for i in ((0, 1) if round_ % 2 == 0 else (1, 0)):
-                r = runners[i]
-                t0 = time.perf_counter()
-                r.fwd() if pass_ == "fwd" else r.bwd()
-                times[i].append((time.perf_counter() - t0) * 1e3)
-        old_ms, new_ms = (statistics.median(t) for t in times)
+        # Alternating order: each call allocates its outputs, and the allocator can hand one library recycled
+        # pages and the other fresh ones round after round (seen as a steady 0.6-0.85x on one row that
+        # interleaved single-library timings put level).
+        old_ms, new_ms, _ = bench_features.interleaved_ms(*(getattr(r, pass_) for r in runners), args.runs,
+                                                          warm_up=False)
         outs = [(r.out,) if pass_ == "fwd" else (r.dq, r.dk, r.dv) for r in runners]
         equal = all(torch.equal(a, b) for a, b in zip(*outs))
         rows.append({"pass": pass_, **shape, "old_ms": round(old_ms, 4), "new_ms": round(new_ms, 4),
@@ -152,7 +147,7 @@ def timed_passes(runners, args, shape):
 
 def race_rows(libs, args, gen):
     rows = []
-    for dtype_name in args.dtypes or ["fp32", "fp16"]:
+    for dtype_name in args.dtypes or DEFAULT_DTYPES:
         for sq, sk in RACE_SEQLENS:
             make = lambda s: torch.randn(RACE_BATCH, s, RACE_HEADS, RACE_HEADDIM, generator=gen).to(DTYPES[dtype_name])  # noqa: E731
             q, k, v, dout = make(sq), make(sk), make(sk), make(sq)

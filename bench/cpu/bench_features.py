@@ -62,10 +62,11 @@ def caller(pass_, q, k, v, dout, causal, sinks=None, dropout_p=0.0):
                                  False, dropout_p, 7, 3)
 
 
-def interleaved_ms(a, b, runs):
-    """Timed rounds of a and b after one warm-up of each, the order alternating (a b, b a, ...): the medians
-    (ms) of a and of b, and each round's time of b over its time of a."""
-    a(), b()
+def interleaved_ms(a, b, runs, warm_up=True):
+    """Timed rounds of a and b (after one warm-up of each, unless the caller warmed them), the order alternating
+    (a b, b a, ...): the medians (ms) of a and of b, and each round's time of b over its time of a."""
+    if warm_up:
+        a(), b()
     ta, tb = [], []
     for i in range(runs):
         order = ((a, ta), (b, tb)) if i % 2 == 0 else ((b, tb), (a, ta))
