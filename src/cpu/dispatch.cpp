@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <string>
 
@@ -148,9 +149,50 @@ flare_status checked_scratch_size(const Problem& p, int nt, size_t* bytes) {
 // step). At most this much stays allocated per thread that has called flare.
 constexpr size_t kKeptScratchBytes = size_t{1} << 20;
 
+// Scratch of larger calls, up to kKeptLargeBytes, comes from one block kept for the process and lent to one call
+// at a time (a call that finds it lent allocates its own). Allocated per call, a block above glibc's largest
+// mmap threshold (32 MiB) comes back as fresh pages every time, and the pass takes a page fault per 4 KiB of it:
+// the bf16 backward at head dim 512 (55 MiB of scratch on two threads) took 14,000 a call, which the same pass
+// at head dim 256 (28 MiB, reused from the heap) did not (docs/tuning-cpu.md). The block grows to the largest
+// scratch asked of it and is freed at exit; a caller that passes a workspace never touches it.
+constexpr size_t kKeptLargeBytes = size_t{256} << 20;
+constexpr size_t kHugePage = size_t{2} << 20;
+
+class KeptBlock {
+ public:
+  // The block, grown to at least `bytes`; nullptr when another call holds it or it cannot grow.
+  char* lend(size_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (lent_) return nullptr;
+    if (bytes_ < bytes) {
+      block_.reset();
+      bytes_ = 0;
+      const size_t size = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+      block_.reset(static_cast<char*>(std::aligned_alloc(kHugePage, size)));
+      if (!block_) return nullptr;
+      bytes_ = size;
+    }
+    lent_ = true;
+    return block_.get();
+  }
+  void give_back() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    lent_ = false;
+  }
+
+ private:
+  struct Free {
+    void operator()(char* p) const { std::free(p); }
+  };
+  std::mutex mutex_;
+  std::unique_ptr<char, Free> block_;
+  size_t bytes_ = 0;
+  bool lent_ = false;
+};
+
 // Runs pass with scratch of `bytes`: the caller's workspace when given (validated to be large enough),
-// else the calling thread's kept block (small calls) or one allocation; fails with OUT_OF_MEMORY before
-// anything is written.
+// else the calling thread's kept block (small calls), the process's kept block (larger ones) or one
+// allocation; fails with OUT_OF_MEMORY before anything is written.
 template <class Run>
 flare_status with_scratch(const Problem& p, int nt, Run run) {
   size_t bytes = 0;
@@ -168,6 +210,13 @@ flare_status with_scratch(const Problem& p, int nt, Run run) {
     }
     if (kept) {
       run(kept.get());
+      return FLARE_OK;
+    }
+  } else if (bytes <= kKeptLargeBytes) {
+    static KeptBlock large;
+    if (char* block = large.lend(bytes)) {
+      run(block);
+      large.give_back();
       return FLARE_OK;
     }
   }
