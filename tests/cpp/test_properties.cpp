@@ -1,9 +1,10 @@
 // test_properties.cpp — properties that hold whatever the reference says: attention over two halves of the
 // keys, merged by their lse, equals attention over all keys; every output element is written (outputs are
-// NaN-poisoned first) and nothing between the elements of a strided output is; a caller-provided
-// workspace changes no bit of the result.
+// NaN-poisoned first) and nothing between the elements of a strided output is; neither a caller-provided
+// workspace, whatever it holds, nor flare's kept scratch, nor calls at once change a bit of the result.
 #include <cmath>
 #include <limits>
+#include <thread>
 #include <vector>
 
 #include "attention_harness.hpp"
@@ -106,6 +107,80 @@ TEST(Properties, PoisonedOutputsAreFullyOverwritten) {
   }
 }
 
+// A problem's forward and, from the reference's out and lse, its backward: the inputs fixed once so that
+// runs with different scratch can be compared bit for bit.
+struct TwoPasses {
+  AttnCase c;
+  AttnProblem pb;
+  HostTensor dout, out_ref, lse_ref;
+
+  TwoPasses(const AttnCase& c_, Rng& rng) : c(c_), pb(make_problem(c_, rng)) {
+    const auto ref = reference_forward(pb, nullptr);
+    dout = HostTensor::contiguous(c.dtype, pb.q_shape(c.nheads, c.headdim_v));
+    dout.fill_normal(rng);
+    out_ref = HostTensor::contiguous(c.dtype, pb.q_shape(c.nheads, c.headdim_v));
+    out_ref.assign(concat_out(ref));
+    lse_ref = HostTensor::contiguous(FLARE_DTYPE_F32, pb.lse_shape());
+    lse_ref.assign(lse_in_flare_layout(pb, ref));
+  }
+
+  // Scratch bytes of each pass on `threads` threads.
+  size_t forward_scratch(int threads) const {
+    HostTensor out = HostTensor::contiguous(c.dtype, pb.q_shape(c.nheads, c.headdim_v));
+    HostTensor lse = HostTensor::contiguous(FLARE_DTYPE_F32, pb.lse_shape());
+    const flare_fwd_params f = fwd_params(pb, out, lse, threads);
+    size_t bytes = 0;
+    EXPECT_EQ(flare_fwd_workspace_size(&f, 0, &bytes), FLARE_OK) << flare_last_error();
+    return bytes;
+  }
+  size_t backward_scratch(int threads) const {
+    HostTensor dq = HostTensor::contiguous(c.dtype, pb.q_shape(c.nheads, c.headdim));
+    HostTensor dk = HostTensor::contiguous(c.dtype, pb.k_shape(c.nheads_k, c.headdim));
+    HostTensor dv = HostTensor::contiguous(c.dtype, pb.k_shape(c.nheads_k, c.headdim_v));
+    const flare_bwd_params b = bwd_params(pb, out_ref, dout, lse_ref, dq, dk, dv, true, threads);
+    size_t bytes = 0;
+    EXPECT_EQ(flare_bwd_workspace_size(&b, 0, &bytes), FLARE_OK) << flare_last_error();
+    return bytes;
+  }
+
+  // out, lse, dq, dk, dv in one vector, on `threads` threads (deterministic backward). With `workspace`, each
+  // pass's scratch is the caller's, one byte off 64-byte alignment and every byte of it `fill` beforehand;
+  // without, flare's own.
+  std::vector<double> run(int threads, bool workspace, unsigned char fill = 0) const {
+    HostTensor out = HostTensor::contiguous(c.dtype, pb.q_shape(c.nheads, c.headdim_v));
+    HostTensor lse = HostTensor::contiguous(FLARE_DTYPE_F32, pb.lse_shape());
+    flare_fwd_params f = fwd_params(pb, out, lse, threads);
+    std::vector<unsigned char> fwd_ws;
+    if (workspace) {
+      const size_t bytes = forward_scratch(threads);
+      fwd_ws.assign(bytes + 1, fill);
+      f.exec.workspace = fwd_ws.data() + 1;
+      f.exec.workspace_size = bytes;
+    }
+    EXPECT_EQ(flare_fwd(&f), FLARE_OK) << flare_last_error();
+    std::vector<double> r = out.values();
+    for (const std::vector<double>& x : {lse.values()}) r.insert(r.end(), x.begin(), x.end());
+
+    HostTensor dq = HostTensor::contiguous(c.dtype, pb.q_shape(c.nheads, c.headdim));
+    HostTensor dk = HostTensor::contiguous(c.dtype, pb.k_shape(c.nheads_k, c.headdim));
+    HostTensor dv = HostTensor::contiguous(c.dtype, pb.k_shape(c.nheads_k, c.headdim_v));
+    flare_bwd_params b = bwd_params(pb, out_ref, dout, lse_ref, dq, dk, dv, true, threads);
+    std::vector<unsigned char> bwd_ws;
+    if (workspace) {
+      const size_t bytes = backward_scratch(threads);
+      bwd_ws.assign(bytes + 1, fill);
+      b.exec.workspace = bwd_ws.data() + 1;
+      b.exec.workspace_size = bytes;
+    }
+    EXPECT_EQ(flare_bwd(&b), FLARE_OK) << flare_last_error();
+    for (const HostTensor* t : {&dq, &dk, &dv}) {
+      const std::vector<double> x = t->values();
+      r.insert(r.end(), x.begin(), x.end());
+    }
+    return r;
+  }
+};
+
 TEST(Properties, CallerWorkspaceGivesTheSameResult) {
   // Scratch from the caller (of the size the *_workspace_size query reports) instead of flare's own
   // allocation: the same bits come out. A workspace one byte off the 64-byte alignment is also accepted.
@@ -114,67 +189,39 @@ TEST(Properties, CallerWorkspaceGivesTheSameResult) {
     AttnCase c = dense_case(dtype, 2, 77, 130, 4, 2, 64, 64);
     c.causal = true;
     c.softcap = 5.0f;
-    const AttnProblem pb = make_problem(c, rng);
-    const auto ref = reference_forward(pb, nullptr);
-    HostTensor dout = HostTensor::contiguous(dtype, pb.q_shape(c.nheads, c.headdim_v));
-    dout.fill_normal(rng);
-    HostTensor out_ref = HostTensor::contiguous(dtype, pb.q_shape(c.nheads, c.headdim_v));
-    out_ref.assign(concat_out(ref));
-    HostTensor lse_ref = HostTensor::contiguous(FLARE_DTYPE_F32, pb.lse_shape());
-    lse_ref.assign(lse_in_flare_layout(pb, ref));
+    const TwoPasses passes(c, rng);
+    EXPECT_TRUE(passes.run(0, false) == passes.run(0, true, 0))
+        << dtype_name(dtype) << ": the passes differ with a caller workspace";
+  }
+}
 
-    std::vector<std::vector<double>> fwd_runs, bwd_runs;
-    for (int with_workspace = 0; with_workspace < 2; ++with_workspace) {
-      HostTensor out = HostTensor::contiguous(dtype, pb.q_shape(c.nheads, c.headdim_v));
-      HostTensor lse = HostTensor::contiguous(FLARE_DTYPE_F32, pb.lse_shape());
-      flare_fwd_params f = fwd_params(pb, out, lse, 0);
-      std::vector<unsigned char> fwd_ws;
-      if (with_workspace) {
-        size_t bytes = 0;
-        FLARE_ASSERT_OK(flare_fwd_workspace_size(&f, 0, &bytes));
-        fwd_ws.assign(bytes + 1, 0);
-        f.exec.workspace = fwd_ws.data() + 1;
-        f.exec.workspace_size = bytes;
-      }
-      FLARE_ASSERT_OK(flare_fwd(&f));
-      std::vector<double> r = out.values(), l = lse.values();
-      r.insert(r.end(), l.begin(), l.end());
-      fwd_runs.push_back(std::move(r));
+TEST(Properties, ScratchLeftoversAndConcurrentCallsChangeNothing) {
+  // Scratch above 1 MiB comes from one block flare keeps between calls and lends to one call at a time
+  // (dispatch.cpp): no pass may read scratch it has not written. The same bits come out of a workspace of
+  // zeros, one of 0xff bytes (NaN in every float), flare's kept block after other problems have used it,
+  // and four calls at once (one gets the block, the others allocate).
+  Rng rng;
+  constexpr int kThreads = 2;
+  for (flare_dtype dtype : {FLARE_DTYPE_F32, FLARE_DTYPE_BF16}) {
+    AttnCase c = dense_case(dtype, 1, 333, 700, 2, 1, 256, 256);
+    c.causal = true;
+    const TwoPasses passes(c, rng);
+    ASSERT_GT(passes.backward_scratch(kThreads), size_t{1} << 20)
+        << dtype_name(dtype) << ": the backward's scratch must be past the per-thread kept size";
+    const std::vector<double> zeros = passes.run(kThreads, true, 0x00);
+    EXPECT_TRUE(zeros == passes.run(kThreads, true, 0xff))
+        << dtype_name(dtype) << ": a workspace of 0xff bytes changes the result";
 
-      HostTensor dq = HostTensor::contiguous(dtype, pb.q_shape(c.nheads, c.headdim));
-      HostTensor dk = HostTensor::contiguous(dtype, pb.k_shape(c.nheads_k, c.headdim));
-      HostTensor dv = HostTensor::contiguous(dtype, pb.k_shape(c.nheads_k, c.headdim_v));
-      flare_bwd_params b;
-      flare_bwd_params_init(&b);
-      b.q = pb.q.view();
-      b.k = pb.k.view();
-      b.v = pb.v.view();
-      b.out = out_ref.view();
-      b.dout = dout.view();
-      b.softmax_lse = lse_ref.view();
-      b.dq = dq.view();
-      b.dk = dk.view();
-      b.dv = dv.view();
-      b.deterministic = 1;
-      b.attn = attn_options(pb, b.attn);
-      std::vector<unsigned char> bwd_ws;
-      if (with_workspace) {
-        size_t bytes = 0;
-        FLARE_ASSERT_OK(flare_bwd_workspace_size(&b, 0, &bytes));
-        bwd_ws.assign(bytes + 1, 0);
-        b.exec.workspace = bwd_ws.data() + 1;
-        b.exec.workspace_size = bytes;
-      }
-      FLARE_ASSERT_OK(flare_bwd(&b));
-      std::vector<double> g = dq.values();
-      for (const HostTensor* t : {&dk, &dv}) {
-        const std::vector<double> x = t->values();
-        g.insert(g.end(), x.begin(), x.end());
-      }
-      bwd_runs.push_back(std::move(g));
-    }
-    EXPECT_TRUE(fwd_runs[0] == fwd_runs[1]) << dtype_name(dtype) << ": forward differs with a caller workspace";
-    EXPECT_TRUE(bwd_runs[0] == bwd_runs[1]) << dtype_name(dtype) << ": backward differs with a caller workspace";
+    const TwoPasses other(dense_case(dtype, 2, 500, 900, 2, 2, 256, 128), rng);  // grows the kept block
+    other.run(kThreads, false);
+    EXPECT_TRUE(zeros == passes.run(kThreads, false)) << dtype_name(dtype) << ": the kept block changes the result";
+
+    std::vector<std::vector<double>> results(4);
+    std::vector<std::thread> callers;
+    for (auto& r : results) callers.emplace_back([&passes, &r] { r = passes.run(kThreads, false); });
+    for (std::thread& t : callers) t.join();
+    for (size_t i = 0; i < results.size(); ++i)
+      EXPECT_TRUE(zeros == results[i]) << dtype_name(dtype) << ": concurrent call " << i << " differs";
   }
 }
 
