@@ -88,3 +88,45 @@ def test_features_rounds_alternate_and_ratios_are_per_round(monkeypatch):
     assert abs(a_ms - 20.0) < 1e-9 and abs(b_ms - 22.0) < 1e-9  # medians of (10, 30, 30, 10) and (11, 33, 33, 11)
     median, q1, q3 = bench_features.ratio_summary([1.0, 1.2, 1.1, 1.4, 0.9], scale=2.0)
     assert abs(median - 2.2) < 1e-9 and abs(q1 - 2.0) < 1e-9 and abs(q3 - 2.4) < 1e-9
+
+
+def test_features_sweeps_split_the_rounds_and_continue_the_order(monkeypatch):
+    """bench_features.py --sweeps: each sweep takes its share of the rounds, and a series that continues an
+    earlier one (start) goes on alternating from where that one stopped; FaultCount keeps one count per call."""
+    import bench_features
+
+    assert bench_features.sweep_rounds(15, 5) == [3, 3, 3, 3, 3]
+    assert bench_features.sweep_rounds(7, 3) == [3, 2, 2]
+    assert bench_features.sweep_rounds(4, 1) == [4]
+    order = []
+    make = lambda name: lambda: order.append(name)  # noqa: E731
+    ticks = iter(range(100))
+    monkeypatch.setattr(bench_features.time, "perf_counter", lambda: float(next(ticks)))
+    ta, tb, _ = bench_features.interleaved_rounds(make("a"), make("b"), 3, warm_up=False, start=3)
+    assert order == ["b", "a", "a", "b", "b", "a"] and len(ta) == len(tb) == 3  # rounds 3, 4, 5: b a, a b, b a
+    counted = bench_features.FaultCount(lambda: bytearray(8 << 20))  # 8 MiB, fresh pages
+    counted(), counted()
+    assert len(counted.faults) == 2 and all(f >= 0 for f in counted.faults) and max(counted.faults) > 0
+
+
+def test_hd512_round_robin_smoke(tmp_path):
+    """ab_hd512.py end to end on small shapes: every build's rows, the same library twice bitwise equal to
+    itself, and the figures positive."""
+    import json
+
+    import ab_hd512
+
+    lib = ROOT / "build" / "release" / "src" / "libflare.so"
+    if not lib.is_file():
+        import pytest
+        pytest.skip(f"{lib} is not built (scripts/test.sh builds it first)")
+    out = ab_hd512.main([f"a={lib}", f"b={lib}", "--commit", "a=0123abc", "--rounds", "2", "--threads", "1",
+                         "--tokens", "256", "--seqlen", "128", "--dtypes", "fp32", "bf16",
+                         "--out", str(tmp_path / "ab.json")])
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["builds"]["a"] == {"path": str(lib), "commit": "0123abc"}
+    rows = doc["rows"]
+    assert {(r["dtype"], r["causal"], r["build"]) for r in rows} == {
+        (d, c, b) for d in ("fp32", "bf16") for c in (False, True) for b in ("a", "b")}
+    assert all(r["bitwise_equal"] and r["tflops_ratio"] > 0 and r["ms_256"] > 0 and r["ms_512"] > 0 for r in rows)
+    assert all(r["speedup_256"] == 1.0 and r["speedup_512"] == 1.0 for r in rows if r["build"] == "a")
