@@ -153,7 +153,7 @@ typedef struct flare_exec_options {
                              (about one thread per 16 MFLOP of work or 512 KiB of q, k, v and out, whichever
                              asks more); at most the larger of 1024 and the processor count, and at most
                              OMP_THREAD_LIMIT (else FLARE_INVALID_ARGUMENT) */
-  void* workspace;        /* optional scratch; NULL = flare allocates (see *_workspace_size) */
+  void* workspace;        /* optional scratch; NULL = flare's own (on the CPU kept between calls: docs/api.md) */
   size_t workspace_size;  /* bytes available at workspace */
 } flare_exec_options;
 
