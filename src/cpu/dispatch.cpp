@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #if defined(__linux__)
 #  include <sys/mman.h>
 #  include <sys/syscall.h>
@@ -12,7 +13,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <new>
 #include <string>
 
@@ -159,36 +159,36 @@ constexpr size_t kKeptScratchBytes = size_t{1} << 20;
 constexpr size_t kKeptLargeBytes = size_t{256} << 20;
 constexpr size_t kPage = 4096;
 
+// Taken and given back with one atomic flag, no mutex: a process that forks while a call holds the block leaves
+// its child a block marked lent (the child's calls allocate their own) rather than a lock it can never take.
 class KeptBlock {
  public:
   // The block, grown to at least `bytes`; nullptr when another call holds it or it cannot grow.
   char* lend(size_t bytes) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (lent_) return nullptr;
-    if (bytes_ < bytes) {
+    bool lent = false;
+    if (!lent_.compare_exchange_strong(lent, true, std::memory_order_acquire)) return nullptr;
+    if (bytes_ < bytes) {  // block_ and bytes_ belong to the holder of lent_
       block_.reset();
       bytes_ = 0;
       const size_t size = (bytes + kPage - 1) / kPage * kPage;
       block_.reset(static_cast<char*>(std::aligned_alloc(kPage, size)));
-      if (!block_) return nullptr;
+      if (!block_) {
+        give_back();
+        return nullptr;
+      }
       bytes_ = size;
     }
-    lent_ = true;
     return block_.get();
   }
-  void give_back() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    lent_ = false;
-  }
+  void give_back() { lent_.store(false, std::memory_order_release); }
 
  private:
   struct Free {
     void operator()(char* p) const { std::free(p); }
   };
-  std::mutex mutex_;
+  std::atomic<bool> lent_{false};
   std::unique_ptr<char, Free> block_;
   size_t bytes_ = 0;
-  bool lent_ = false;
 };
 
 // Runs pass with scratch of `bytes`: the caller's workspace when given (validated to be large enough),

@@ -143,6 +143,14 @@ struct TwoPasses {
     return bytes;
   }
 
+  // Gives p a workspace of `bytes` held in ws: one byte off 64-byte alignment, every byte `fill`.
+  template <class Params>
+  static void lend(Params& p, size_t bytes, std::vector<unsigned char>& ws, unsigned char fill) {
+    ws.assign(bytes + 1, fill);
+    p.exec.workspace = ws.data() + 1;
+    p.exec.workspace_size = bytes;
+  }
+
   // out, lse, dq, dk, dv in one vector, on `threads` threads (deterministic backward). With `workspace`, each
   // pass's scratch is the caller's, one byte off 64-byte alignment and every byte of it `fill` beforehand;
   // without, flare's own.
@@ -151,27 +159,18 @@ struct TwoPasses {
     HostTensor lse = HostTensor::contiguous(FLARE_DTYPE_F32, pb.lse_shape());
     flare_fwd_params f = fwd_params(pb, out, lse, threads);
     std::vector<unsigned char> fwd_ws;
-    if (workspace) {
-      const size_t bytes = forward_scratch(threads);
-      fwd_ws.assign(bytes + 1, fill);
-      f.exec.workspace = fwd_ws.data() + 1;
-      f.exec.workspace_size = bytes;
-    }
+    if (workspace) lend(f, forward_scratch(threads), fwd_ws, fill);
     EXPECT_EQ(flare_fwd(&f), FLARE_OK) << flare_last_error();
     std::vector<double> r = out.values();
-    for (const std::vector<double>& x : {lse.values()}) r.insert(r.end(), x.begin(), x.end());
+    const std::vector<double> l = lse.values();
+    r.insert(r.end(), l.begin(), l.end());
 
     HostTensor dq = HostTensor::contiguous(c.dtype, pb.q_shape(c.nheads, c.headdim));
     HostTensor dk = HostTensor::contiguous(c.dtype, pb.k_shape(c.nheads_k, c.headdim));
     HostTensor dv = HostTensor::contiguous(c.dtype, pb.k_shape(c.nheads_k, c.headdim_v));
     flare_bwd_params b = bwd_params(pb, out_ref, dout, lse_ref, dq, dk, dv, true, threads);
     std::vector<unsigned char> bwd_ws;
-    if (workspace) {
-      const size_t bytes = backward_scratch(threads);
-      bwd_ws.assign(bytes + 1, fill);
-      b.exec.workspace = bwd_ws.data() + 1;
-      b.exec.workspace_size = bytes;
-    }
+    if (workspace) lend(b, backward_scratch(threads), bwd_ws, fill);
     EXPECT_EQ(flare_bwd(&b), FLARE_OK) << flare_last_error();
     for (const HostTensor* t : {&dq, &dk, &dv}) {
       const std::vector<double> x = t->values();
