@@ -90,8 +90,8 @@ def timed_builds(libs, commits, dtype_name, causal, args):
     runners = {}
     for d in HEADDIMS:
         g = torch.Generator().manual_seed(d)
-        make = lambda: torch.randn(batch, args.seqlen, bench_features.WIDTH // d, d, generator=g).to(DTYPES[dtype_name])  # noqa: E731
-        q, k, v, dout = make(), make(), make(), make()
+        shape = (batch, args.seqlen, bench_features.WIDTH // d, d)
+        q, k, v, dout = (torch.randn(shape, generator=g).to(DTYPES[dtype_name]) for _ in range(4))
         runners[d] = {n: FlareRunner(libs[n], q, k, v, dout, causal, args.threads) for n in names}
         for r in runners[d].values():
             r.fwd()

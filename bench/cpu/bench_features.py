@@ -15,8 +15,9 @@ back to back, so a phase of the host that slows both cancels in their ratio), wi
 medians (base_ms, with_ms) and the median minor page faults of a call of each (base_faults, with_faults).
 With --sweeps S the whole table runs S times, each pair taking its share of the --runs rounds in each sweep
 (order alternating across sweeps too), and a row sums up all its rounds: a phase of the host that slows one
-kind of call for a few seconds then touches a few of every row's rounds instead of all of one row's. Shape: 8192 tokens (batch 8192 / seqlen), seqlen 2048, width 1024 at head dim
-128 (8 heads; 4 at 256, 2 at 512), the convention of bench_cpu.py. Inputs fresh N(0, 1); flare is called
+kind of call for a few seconds then touches a few of every row's rounds instead of all of one row's.
+Shape: 8192 tokens (batch 8192 / seqlen), seqlen 2048, width 1024 at head dim 128 (8 heads; 4 at 256, 2 at
+512), the convention of bench_cpu.py. Inputs fresh N(0, 1); flare is called
 through flare.ops' eager functions (the host cost, ~50 us, is far below these runs).
 
   python3 bench/cpu/bench_features.py            # writes bench/results/cpu-features-<date>-<sha>.json
@@ -67,16 +68,16 @@ def caller(pass_, q, k, v, dout, causal, sinks=None, dropout_p=0.0):
                                  False, dropout_p, 7, 3)
 
 
-def interleaved_ms(a, b, runs, warm_up=True, start=0):
+def interleaved_ms(a, b, runs, warm_up=True):
     """Timed rounds of a and b (after one warm-up of each, unless the caller warmed them), the order alternating
-    (a b, b a, ...; round i of a series that began `start` rounds earlier takes the order of round start + i):
-    the medians (ms) of a and of b, and each round's time of b over its time of a."""
-    ta, tb, ratios = interleaved_rounds(a, b, runs, warm_up, start)
+    (a b, b a, ...): the medians (ms) of a and of b, and each round's time of b over its time of a."""
+    ta, tb, ratios = interleaved_rounds(a, b, runs, warm_up)
     return statistics.median(ta), statistics.median(tb), ratios
 
 
 def interleaved_rounds(a, b, runs, warm_up=True, start=0):
-    """interleaved_ms's rounds: every time (ms) of a, of b, and each round's ratio."""
+    """interleaved_ms's rounds, every time (ms) of a and of b and each round's ratio; round i of a series that
+    began `start` rounds earlier takes the order of round start + i."""
     if warm_up:
         a(), b()
     ta, tb = [], []
@@ -143,7 +144,8 @@ def summary_row(key, r):
     mask = "causal" if causal else "full"
     head = dict(feature=feature, dtype=dtype_name, pass_=pass_, causal=causal, seqlen=SEQLEN)
     if "skipped" in r:
-        return dict(head, skipped=r["skipped"]), f"{feature:8} {dtype_name:5} {pass_:4} {mask:6} skipped: {r['skipped']}"
+        line = f"{feature:8} {dtype_name:5} {pass_:4} {mask:6} skipped: {r['skipped']}"
+        return dict(head, skipped=r["skipped"]), line
     base_ms, with_ms = statistics.median(r["ta"]), statistics.median(r["tb"])
     faults = dict(base_faults=statistics.median(r["fa"]), with_faults=statistics.median(r["fb"]))
     if r["kind"] == "ratio":
