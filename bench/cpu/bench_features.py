@@ -116,14 +116,14 @@ def ratio_summary(pair_ratios, scale=1.0):
 
 def pairs_of_the_table():
     """The table's pairs in order, each built when reached (inputs from fixed seeds: every sweep builds the same):
-    ((feature, dtype, pass, causal), kind, (base, with) callables, or the reason the row is skipped)."""
+    ((feature, dtype, pass, causal), (base, with) callables or the reason the row is skipped)."""
     for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         for pass_ in ("fwd", "bwd"):
             for causal in (False, True):
                 q, k, v, dout, sinks = inputs(128, dtype, seed=1)
-                yield ("dropout", dtype_name, pass_, causal), "ratio", (
+                yield ("dropout", dtype_name, pass_, causal), (
                     caller(pass_, q, k, v, dout, causal), caller(pass_, q, k, v, dout, causal, dropout_p=0.1))
-                yield ("sinks", dtype_name, pass_, causal), "ratio", (
+                yield ("sinks", dtype_name, pass_, causal), (
                     caller(pass_, q, k, v, dout, causal), caller(pass_, q, k, v, dout, causal, sinks))
                 # Head dim 512 against 256 at the same width (half the heads): TFLOP/s.
                 q5, k5, v5, d5, _ = inputs(512, dtype, seed=3)
@@ -131,11 +131,11 @@ def pairs_of_the_table():
                     ops.fwd_eager(q5[:1, :8], k5[:1, :8], v5[:1, :8], None, None, None, 0, 0, None, 0.0, causal, -1,
                                   -1, 0.0, False)
                 except Exception as e:  # the row records why, rather than a number
-                    yield ("hd512", dtype_name, pass_, causal), "hd512", f"{type(e).__name__}: {e}"
+                    yield ("hd512", dtype_name, pass_, causal), f"{type(e).__name__}: {e}"
                     continue
                 q2, k2, v2, d2, _ = inputs(256, dtype, seed=2)
-                yield ("hd512", dtype_name, pass_, causal), "hd512", (caller(pass_, q2, k2, v2, d2, causal),
-                                                                      caller(pass_, q5, k5, v5, d5, causal))
+                yield ("hd512", dtype_name, pass_, causal), (caller(pass_, q2, k2, v2, d2, causal),
+                                                             caller(pass_, q5, k5, v5, d5, causal))
 
 
 def summary_row(key, r):
@@ -148,7 +148,7 @@ def summary_row(key, r):
         return dict(head, skipped=r["skipped"]), line
     base_ms, with_ms = statistics.median(r["ta"]), statistics.median(r["tb"])
     faults = dict(base_faults=statistics.median(r["fa"]), with_faults=statistics.median(r["fb"]))
-    if r["kind"] == "ratio":
+    if GOALS[feature][0] == "ratio":
         goal = GOALS[feature][1]
         ratio, q1, q3 = ratio_summary(r["ratios"])
         row = dict(head, headdim=128, base_ms=base_ms, with_ms=with_ms, ratio=ratio, ratio_q1=q1, ratio_q3=q3,
@@ -184,7 +184,7 @@ def main():
     sweeps = args.sweeps
     if not 1 <= sweeps <= runs:
         parser.error(f"--sweeps must be between 1 and the rounds per pair ({runs}), got {sweeps}")
-    # Per row: its kind ("ratio" or "hd512") and every round's times, ratios and faults so far.
+    # Per row: every round's times, ratios and faults so far.
     table = {}
     rows = []
     header = (f"{'feature':8} {'dtype':5} {'pass':4} {'mask':6} {'base ms':>9} {'with ms':>9} {'ratio':>6} "
@@ -196,8 +196,8 @@ def main():
             print(f"sweep {sweep + 1}/{sweeps}: {rounds} rounds per pair", flush=True)
         if last:
             print(header, flush=True)
-        for key, kind, pair in pairs_of_the_table():
-            r = table.setdefault(key, {"kind": kind, "ta": [], "tb": [], "ratios": [], "fa": [], "fb": []})
+        for key, pair in pairs_of_the_table():
+            r = table.setdefault(key, {"ta": [], "tb": [], "ratios": [], "fa": [], "fb": []})
             if isinstance(pair, str):
                 r["skipped"] = pair
             else:
