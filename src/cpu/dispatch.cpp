@@ -153,9 +153,9 @@ constexpr size_t kKeptScratchBytes = size_t{1} << 20;
 // at a time (a call that finds it lent allocates its own). Allocated per call, a block above glibc's largest
 // mmap threshold (32 MiB) comes back as fresh pages every time, and the pass takes a page fault per 4 KiB of it:
 // the bf16 backward at head dim 512 (55 MiB of scratch on two threads) took 14,000 a call, which the same pass
-// at head dim 256 (28 MiB, reused from the heap) did not; kept, that backward ran 7-14% faster on the Xeon
-// (docs/tuning-cpu.md). The block grows to the largest scratch asked of it, page-aligned, and is freed at exit;
-// a call with a caller's workspace never touches it. No pass reads scratch it has not written.
+// at head dim 256 (28 MiB, reused from the heap) did not (docs/tuning-cpu.md). The block grows to the largest
+// scratch asked of it, page-aligned, and is freed at exit; a call with a caller's workspace never touches it. No
+// pass reads scratch it has not written.
 constexpr size_t kKeptLargeBytes = size_t{256} << 20;
 constexpr size_t kPage = 4096;
 
