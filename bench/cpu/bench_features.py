@@ -201,9 +201,8 @@ def main():
             if isinstance(pair, str):
                 r["skipped"] = pair
             else:
+                pair[0](), pair[1]()  # the warm-up, uncounted
                 base, with_ = FaultCount(pair[0]), FaultCount(pair[1])
-                base(), with_()  # the warm-up, uncounted
-                base.faults.clear(), with_.faults.clear()
                 ta, tb, ratios = interleaved_rounds(base, with_, rounds, warm_up=False, start=done)
                 for name, values in (("ta", ta), ("tb", tb), ("ratios", ratios), ("fa", base.faults),
                                      ("fb", with_.faults)):
